@@ -1,0 +1,179 @@
+"""The checkpoint directory (DESIGN.md's contract).
+
+    manifest.json        format, step, epoch, strategy, world_size, files and checksums
+    model.safetensors    the whole model under canonical names (loads without dtrain)
+    optimizer.pt         optimizer state keyed by parameter name (tensors only)
+    trainer.pt           data position and RNG state
+
+Plain ``safetensors.torch.load_file`` + ``load_state_dict`` on the unwrapped model works.
+Every ``.pt`` file is read with ``weights_only=True``: no arbitrary objects are unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from dtrain.checkpoint.atomic import atomic_directory, sha256_file
+from dtrain.checkpoint.names import canonical_name, canonical_state_dict
+from dtrain.checkpoint.optimizer_state import state_by_name
+from dtrain.errors import CheckpointError
+
+FORMAT = "dtrain.checkpoint/1"
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_FILE = "trainer.pt"
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict under canonical names, contiguous on the CPU.
+
+    Tied tensors are stored once per name (cloned), so a plain `load_state_dict` of the
+    file fills every name.
+    """
+    state = canonical_state_dict(model.state_dict())
+    return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}  # type: ignore[union-attr]
+
+
+def write(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer: dict[str, Any],
+    info: dict[str, Any],
+) -> None:
+    """Write a complete checkpoint directory at `path`, atomically.
+
+    Args:
+        path: the checkpoint directory (replaced if it exists).
+        model: the unwrapped model holding the whole parameters.
+        optimizer: its optimizer, or None.
+        trainer: data position and RNG state (tensors and plain values).
+        info: manifest fields: at least step, epoch, strategy, world_size.
+    """
+    tensors = model_tensors(model)
+    with atomic_directory(Path(path)) as tmp:
+        safetensors.torch.save_file(tensors, tmp / MODEL_FILE, metadata={"format": FORMAT})
+        if optimizer is not None:
+            torch.save(state_by_name(optimizer, model), tmp / OPTIMIZER_FILE)
+        torch.save(trainer, tmp / TRAINER_FILE)
+        manifest = {
+            "format": FORMAT,
+            **info,
+            "model_class": type(model).__name__,
+            "num_parameters": sum(t.numel() for t in tensors.values()),
+            "tensors": {
+                k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                for k, v in tensors.items()
+            },
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "torch_version": torch.__version__,
+            "files": {
+                f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+                for f in sorted(tmp.iterdir())
+            },
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path`; a CheckpointError if it is not one."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{path} is not a dtrain checkpoint (no {MANIFEST}); pass a checkpoint directory, "
+            "or convert a plain PyTorch file with `dtrain ckpt convert SRC DST`."
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{manifest_path} is not valid JSON ({e}); the checkpoint is damaged."
+        ) from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} has format {manifest.get('format')!r}; this dtrain reads {FORMAT!r}."
+        )
+    return manifest
+
+
+def read_model(path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of the checkpoint at `path`, on the CPU."""
+    return safetensors.torch.load_file(Path(path) / MODEL_FILE)
+
+
+def read_pt(path: Path, name: str) -> Any:
+    """A ``.pt`` member of the checkpoint, read with weights_only=True; None if absent."""
+    file = Path(path) / name
+    if not file.is_file():
+        return None
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def load_model(
+    model: nn.Module, tensors: dict[str, torch.Tensor], strict: bool = True
+) -> list[str]:
+    """Copy `tensors` into `model`; list what differs and stop unless strict=False.
+
+    Returns the names that were skipped (empty when everything matched).
+    """
+    expected = {k: v.shape for k, v in canonical_state_dict(model.state_dict()).items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong_shape = sorted(
+        f"{k} (checkpoint {list(tensors[k].shape)}, model {list(expected[k])})"
+        for k in set(expected) & set(tensors)
+        if tuple(tensors[k].shape) != tuple(expected[k])
+    )
+    problems = [
+        (label, names)
+        for label, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("wrongly shaped", wrong_shape),
+        )
+        if names
+    ]
+    if problems and strict:
+        detail = "; ".join(
+            f"{label}: {', '.join(names[:8])}" + (" ..." if len(names) > 8 else "")
+            for label, names in problems
+        )
+        raise CheckpointError(
+            f"The checkpoint does not fit this model ({detail}). Load it into the model that "
+            "saved it, or pass strict=False to load only the matching tensors."
+        )
+    skipped = missing + unexpected + [w.split(" ")[0] for w in wrong_shape]
+    usable = {k: v for k, v in tensors.items() if k in expected and k not in skipped}
+    _copy_into(model, usable)
+    return skipped
+
+
+@torch.no_grad()
+def _copy_into(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    targets = {canonical_name(k): v for k, v in model.state_dict(keep_vars=True).items()}
+    for name, value in tensors.items():
+        targets[name].copy_(value)
+
+
+def find_latest(root: Path) -> Path | None:
+    """The checkpoint under `root` with the highest step, or None if there is none."""
+    root = Path(root)
+    best: tuple[int, Path] | None = None
+    if not root.is_dir():
+        return None
+    for child in root.iterdir():
+        if child.name.startswith(".") or not (child / MANIFEST).is_file():
+            continue
+        step = int(read_manifest(child).get("step", -1))
+        if best is None or step > best[0]:
+            best = (step, child)
+    return best[1] if best else None

@@ -1,0 +1,152 @@
+"""The `dtrain` command: run, demo, ckpt."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from dataclasses import fields
+from pathlib import Path
+
+from dtrain import demo
+from dtrain.checkpoint.verify import summary, verify
+from dtrain.config import Config
+from dtrain.errors import ConfigError, DtrainError, LaunchError
+from dtrain.launch import Target, launch
+from dtrain.observe.metrics import format_table
+from dtrain.strategies import available, lookup
+from dtrain.strategies.towers import tower_devices
+
+
+def _device_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,3, got {text!r}") from None
+
+
+def add_topology_args(parser: argparse.ArgumentParser) -> None:
+    """TOPOLOGY flags, generated from :class:`Config`'s fields and their help."""
+    group = parser.add_argument_group("topology")
+    hints = typing.get_type_hints(Config)
+    for f in fields(Config):
+        if "help" not in f.metadata:
+            continue
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
+            continue
+        convert = {int: int, float: float, str: str}.get(
+            typing.get_args(kind)[0] if typing.get_args(kind) else kind
+        )
+        if f.name == "devices":
+            convert = _device_list
+        help_text = f.metadata["help"]
+        if f.name == "strategy":
+            help_text += " One of: " + ", ".join(available()) + "."
+        group.add_argument(flag, dest=f.name, type=convert, default=f.default, help=help_text)
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    """The Config given by the parsed TOPOLOGY flags."""
+    return Config(**{f.name: getattr(args, f.name) for f in fields(Config) if "help" in f.metadata})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full `dtrain` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="dtrain",
+        description="Run a one-device PyTorch training loop on many devices by changing one flag.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="Launch a training script on every worker.",
+        description="Launch SCRIPT (or -m MODULE) under the chosen topology.",
+    )
+    add_topology_args(run)
+    run.add_argument(
+        "-m",
+        dest="module",
+        action="store_true",
+        help="Treat SCRIPT as a module name, as `python -m` does.",
+    )
+    run.add_argument("script", metavar="SCRIPT", help="The training script (or module with -m).")
+    run.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="Arguments for the script."
+    )
+
+    demo_parser = sub.add_parser(
+        "demo",
+        help="Train a bundled model on real data (digits).",
+        description="The main job: train a classifier on scikit-learn's "
+        "handwritten digits under any strategy.",
+    )
+    add_topology_args(demo_parser)
+    demo.add_training_args(demo_parser)
+
+    ckpt = sub.add_parser("ckpt", help="Inspect or verify checkpoints.")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    for name, text in (
+        ("inspect", "Print what a checkpoint holds."),
+        ("verify", "Check every file of a checkpoint against its manifest."),
+    ):
+        p = ckpt_sub.add_parser(name, help=text, description=text)
+        p.add_argument("path", type=Path, help="A checkpoint directory.")
+    return parser
+
+
+def _check_demo_batch(config: Config, args: argparse.Namespace) -> None:
+    strategy = lookup(config.strategy)
+    dp_size = config.nproc * config.nnodes if strategy.multiprocess else 1
+    towers = len(tower_devices(config)[0]) if strategy.name == "towers" else 1
+    demo.check_batch(args.global_batch_size, dp_size, towers, config.grad_accumulation)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dtrain` console command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "ckpt":
+            return _ckpt(args)
+        config = config_from(args)
+        if args.command == "run":
+            kind = "module" if args.module else "script"
+            launch(config, Target(kind, args.script, tuple(args.script_args)))
+        else:
+            _check_demo_batch(config, args)
+            launch(config, Target("module", demo.__name__, tuple(argv[1:])))
+    except ConfigError as e:
+        print(f"dtrain: error: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        print(f"dtrain: the job failed.\n{e}", file=sys.stderr)
+        return e.exit_code
+    except DtrainError as e:
+        print(f"dtrain: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _ckpt(args: argparse.Namespace) -> int:
+    if args.ckpt_command == "inspect":
+        print(format_table(summary(args.path)))
+        return 0
+    problems = verify(args.path)
+    if problems:
+        print(
+            f"dtrain: {args.path} is damaged:\n  "
+            + "\n  ".join(problems)
+            + "\nRestore it from a copy, or resume from an older checkpoint.",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"{args.path}: every file matches the manifest.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

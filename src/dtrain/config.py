@@ -1,0 +1,115 @@
+"""Typed options for the topology: which strategy, how many processes, which devices.
+
+`dtrain run` and `dtrain demo` build a :class:`Config` from their flags (each field's
+``help`` is its ``--help`` text) and hand it to every worker through one environment
+variable (``DTRAIN_CONFIG``, JSON); `dtrain.init()` reads it back, and keyword arguments
+given to `init` override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+from dtrain.errors import ConfigError
+
+ENV_VAR = "DTRAIN_CONFIG"
+
+
+def option(default: object, help: str, flag: str | None = None) -> object:
+    """A dataclass field that is also a command-line flag (``--name`` unless `flag`)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass
+class Config:
+    """Topology and strategy options shared by `dtrain run`, `dtrain demo` and `dtrain.init`."""
+
+    strategy: str = option("single", "Strategy: how the work is spread over devices.")
+    nproc: int = option(1, "Processes on this machine (one per device for ddp).")
+    towers: int | None = option(
+        None, "Replicas in one process for --strategy towers (default: every GPU, or 2 on CPU)."
+    )
+    devices: list[int] | None = option(
+        None, "Comma-separated GPU indices to use (sets CUDA_VISIBLE_DEVICES)."
+    )
+    cpu: bool = option(False, "Run on the CPU with gloo even when GPUs are visible.")
+    grad_accumulation: int = option(
+        1, "Micro-batches per optimizer step; gradients are synchronised once per step."
+    )
+    sync_batchnorm: bool = option(False, "Convert BatchNorm layers to SyncBatchNorm (ddp).")
+    seed: int = 0
+    """Seed of every RNG on every device, so replicas start equal (demo: --seed)."""
+    timeout_s: float = option(
+        600.0, "Seconds a collective may wait before a hung rank is reported.", flag="--timeout"
+    )
+    nnodes: int = option(1, "Machines taking part; each runs the same command.")
+    node_rank: int = option(0, "This machine's index in [0, --nnodes).")
+    master: str | None = option(
+        None, "HOST:PORT of node 0's rendezvous (multi-node); default a free local port."
+    )
+    max_restarts: int = option(
+        0, "Restart the whole group up to this many times after a worker fails."
+    )
+    extra: dict[str, str] = field(default_factory=dict)
+    """Strategy-specific options added by later strategies (not a flag)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the values that do not depend on the machine; raise ConfigError if wrong."""
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {self.nproc}.")
+        if self.towers is not None and self.towers < 1:
+            raise ConfigError(f"--towers must be at least 1, got {self.towers}.")
+        if self.grad_accumulation < 1:
+            raise ConfigError(
+                f"--grad-accumulation must be at least 1, got {self.grad_accumulation}."
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank must lie in [0, --nnodes), got node rank {self.node_rank} "
+                f"of {self.nnodes} node(s)."
+            )
+        if self.nnodes > 1 and not self.master:
+            raise ConfigError(
+                "A multi-node run needs --master HOST:PORT (node 0's address and a free "
+                "port), the same on every node."
+            )
+        if self.master is not None:
+            host, _, port = self.master.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"--master must be HOST:PORT, got {self.master!r}.")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout must be positive, got {self.timeout_s}.")
+
+    def replace(self, **changes: object) -> Config:
+        """Return a copy with `changes` applied, rejecting unknown option names."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ConfigError(
+                f"Unknown option(s) {', '.join(unknown)}; known options: "
+                f"{', '.join(sorted(known))}."
+            )
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        """Serialise for the environment of worker processes."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        """Inverse of :meth:`to_json`."""
+        return cls(**json.loads(text))
+
+    @classmethod
+    def from_env(cls) -> Config | None:
+        """The configuration `dtrain run` passed to this process, or None outside it."""
+        text = os.environ.get(ENV_VAR)
+        return cls.from_json(text) if text else None

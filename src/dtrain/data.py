@@ -1,0 +1,95 @@
+"""Sharded loading: every step draws one global batch, split over the data-parallel ranks.
+
+Each epoch has one shuffle, the same on every rank (seeded by seed and epoch). Global
+batch t is the slice ``perm[t*B:(t+1)*B]``; rank r reads the r-th contiguous share of it.
+So for a fixed global batch B, the samples of step t are the same whatever the number of
+workers, and the ranks' shares, concatenated in rank order, are the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from dtrain.errors import ConfigError
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Yields this rank's share of each global batch, as lists of dataset indices.
+
+    Args:
+        dataset_size: number of samples.
+        batch_size: samples per rank per step (the global batch is batch_size * dp_size).
+        dp_size: data-parallel ranks.
+        dp_rank: this rank.
+        shuffle: reshuffle every epoch (one permutation shared by all ranks).
+        seed: base seed of the shuffle.
+        drop_last: drop an epoch's last, incomplete global batch (default for training,
+            so that every step sees a full global batch whatever the world size). When
+            False the last global batch is split as evenly as possible; if it has fewer
+            samples than ranks it is dropped, since a rank with nothing to do would stall
+            the others.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        dp_size: int = 1,
+        dp_rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"The batch size per worker must be at least 1, got {batch_size}.")
+        self.dataset_size = dataset_size
+        self.batch_size = batch_size
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.skip = 0
+        if drop_last and dataset_size < self.global_batch_size:
+            raise ConfigError(
+                f"The data set has {dataset_size} samples, fewer than one global batch of "
+                f"{self.global_batch_size} ({batch_size} per worker x {dp_size} workers); "
+                "lower the batch size or use fewer workers."
+            )
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples consumed by one step over all data-parallel ranks."""
+        return self.batch_size * self.dp_size
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Select the epoch's shuffle; `skip` leaves out its first `skip` batches (resume)."""
+        self.epoch = epoch
+        self.skip = skip
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.dataset_size, self.global_batch_size)
+        partial = 0 if self.drop_last or rest < self.dp_size else 1
+        return full + partial
+
+    def _order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.dataset_size)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.dataset_size, generator=generator)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        start, self.skip = self.skip, 0
+        epoch = self.epoch
+        for t in range(start, len(self)):
+            global_batch = order[t * self.global_batch_size : (t + 1) * self.global_batch_size]
+            share = torch.tensor_split(global_batch, self.dp_size)[self.dp_rank]
+            yield share.tolist()
+        # A loader iterated again without set_epoch moves on to the next shuffle.
+        if self.epoch == epoch:
+            self.epoch = epoch + 1

@@ -1,0 +1,242 @@
+"""`dtrain demo`: train a bundled classifier on scikit-learn's handwritten digits.
+
+Runs as an ordinary dtrain user script (``python -m dtrain.demo`` under the launcher),
+so it exercises exactly the path a user's own script takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import dtrain
+from dtrain import checkpoint
+from dtrain.datasets import load_digits
+from dtrain.errors import ConfigError
+from dtrain.lr import RULES, LRSchedule, scale_lr
+from dtrain.models import MODELS, build
+from dtrain.observe.logs import LOGGER
+from dtrain.observe.metrics import format_table, write_metrics
+
+KEEP_CHECKPOINTS = 3
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    """The TRAINING flags of `dtrain demo` (DESIGN.md's contract)."""
+    g = parser.add_argument_group("training")
+    g.add_argument("--model", default="cnn", choices=sorted(MODELS), help="Bundled model.")
+    g.add_argument("--epochs", type=int, default=12, help="Passes over the training set.")
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="Stop once the run's optimizer step count reaches N (counting steps "
+        "before a --resume); the learning-rate schedule is unchanged.",
+    )
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=64,
+        help="Samples per step over all data-parallel workers; must divide evenly.",
+    )
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=0.1,
+        help="Learning rate at the reference batch (--ref-batch-size).",
+    )
+    g.add_argument(
+        "--lr-scaling",
+        default="none",
+        choices=RULES,
+        help="Scale --lr from the reference batch to the global batch.",
+    )
+    g.add_argument(
+        "--ref-batch-size", type=int, default=64, help="Batch size at which --lr was tuned."
+    )
+    g.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=None,
+        help="Linear warmup from --lr to the scaled rate (default 1 epoch with "
+        "linear scaling, else 0).",
+    )
+    g.add_argument("--seed", type=int, default=0, help="Seed of the model and the shuffle.")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/demo"),
+        help="Directory for checkpoints, metrics and logs.",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="Save a checkpoint every N steps (default: at the end of each epoch).",
+    )
+    g.add_argument("--metrics-json", type=Path, default=None, help="Write the results here.")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="Continue from the newest checkpoint under --out (any strategy and "
+        "world size may have written it).",
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the demo's command line; TOPOLOGY flags are accepted and left to the launcher,
+    which has already put them into the environment that `dtrain.init` reads."""
+    from dtrain.cli import add_topology_args
+
+    parser = argparse.ArgumentParser(prog="dtrain demo")
+    add_topology_args(parser)
+    add_training_args(parser)
+    return parser.parse_args(argv)
+
+
+def check_batch(global_batch: int, dp_size: int, towers: int, grad_accumulation: int) -> int:
+    """The per-worker batch for `global_batch`; a ConfigError if it does not divide evenly."""
+    if global_batch < dp_size:
+        raise ConfigError(
+            f"--global-batch-size {global_batch} is smaller than the {dp_size} data-parallel "
+            "workers; every worker needs at least one sample per step. Raise the batch or use "
+            "fewer processes."
+        )
+    if global_batch % dp_size:
+        raise ConfigError(
+            f"--global-batch-size {global_batch} does not divide evenly over {dp_size} "
+            f"data-parallel workers; use a multiple of {dp_size}, e.g. "
+            f"{(global_batch // dp_size + 1) * dp_size}."
+        )
+    per_worker = global_batch // dp_size
+    parts = towers * grad_accumulation
+    if per_worker % parts:
+        raise ConfigError(
+            f"Each worker's batch of {per_worker} does not split evenly into {towers} tower(s) "
+            f"x {grad_accumulation} micro-batch(es); use a global batch that is a multiple of "
+            f"{dp_size * parts}."
+        )
+    return per_worker
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Train, evaluate and report; returns the metrics (also written with --metrics-json)."""
+    wall_start = time.perf_counter()
+    args = parse_args(argv)
+    engine = dtrain.init(seed=args.seed)
+    engine.log_to(args.out / "logs")
+    per_worker = check_batch(
+        args.global_batch_size,
+        engine.dp_size,
+        engine.strategy.micro_splits,
+        engine.config.grad_accumulation,
+    )
+
+    train_set, test_set = load_digits()
+    model = build(args.model)
+    lr = scale_lr(args.lr, args.global_batch_size, args.ref_batch_size, args.lr_scaling)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    model, optimizer = engine.setup(model, optimizer)
+    loader = engine.dataloader(train_set, batch_size=per_worker)
+    test_loader = engine.dataloader(
+        test_set, batch_size=max(1, 256 // engine.dp_size), shuffle=False, drop_last=False
+    )
+    steps_per_epoch = len(loader)
+    warmup_epochs = args.warmup_epochs
+    if warmup_epochs is None:
+        warmup_epochs = 1.0 if args.lr_scaling == "linear" else 0.0
+    schedule = LRSchedule(
+        peak=lr,
+        start=args.lr,
+        warmup_steps=round(warmup_epochs * steps_per_epoch),
+        total_steps=args.epochs * steps_per_epoch,
+    )
+    ckpt_root = args.out / "checkpoints"
+    if args.resume:
+        resume_from(engine, ckpt_root)
+    max_steps = args.steps if args.steps is not None else args.epochs * steps_per_epoch
+    engine.print(
+        f"dtrain demo: {args.model} on digits ({len(train_set)} train / {len(test_set)} test), "
+        f"strategy {engine.strategy.name}, {engine.world_size} process(es), "
+        f"global batch {args.global_batch_size} ({per_worker} per worker), "
+        f"lr {lr:g} ({args.lr_scaling} scaling from {args.lr:g} at batch {args.ref_batch_size})"
+    )
+    LOGGER.info("args %s", vars(args))
+
+    last_loss = float("nan")
+    for epoch in range(args.epochs):
+        if engine.step >= max_steps:
+            break
+        epoch_start_step = engine.step
+        for batch in engine.progress(loader, epoch=epoch):
+            if engine.step >= max_steps:
+                break
+            schedule.apply(optimizer, engine.step)
+            last_loss = engine.train_step(batch, F.cross_entropy).item()
+            if args.checkpoint_every and engine.step % args.checkpoint_every == 0:
+                save(engine, ckpt_root)
+        if engine.step == epoch_start_step:
+            continue  # an epoch the resumed checkpoint had already trained
+        if not args.checkpoint_every:
+            save(engine, ckpt_root)
+        LOGGER.info("epoch %d done at step %d, loss %.4f", epoch, engine.step, last_loss)
+
+    result = engine.evaluate(test_loader, F.cross_entropy)
+    metrics: dict[str, object] = {
+        "strategy": engine.strategy.name,
+        "world_size": engine.world_size,
+        "model": args.model,
+        "steps": engine.step,
+        "global_batch_size": args.global_batch_size,
+        "learning_rate": lr,
+        "train_loss": none_if_nan(engine.all_reduce_mean(last_loss)),
+        "test_loss": result.get("loss"),
+        "test_accuracy": result.get("accuracy"),
+        "samples_per_second": engine.throughput.samples_per_second,
+        "wall_seconds": time.perf_counter() - wall_start,
+    }
+    if engine.is_main:
+        print(format_table([(k, v) for k, v in metrics.items() if v is not None]), flush=True)
+        if args.metrics_json:
+            write_metrics(args.metrics_json, metrics)
+    LOGGER.info("metrics %s", metrics)
+    engine.close()
+    return metrics
+
+
+def none_if_nan(value: float) -> float | None:
+    """`value`, or None when no step ran in this process (JSON has no NaN)."""
+    return None if math.isnan(value) else value
+
+
+def save(engine: dtrain.Engine, root: Path) -> None:
+    """Checkpoint to ``root/step-NNNNNNNN`` and keep the newest few."""
+    engine.save(root / f"step-{engine.step:08d}")
+    if engine.is_main:
+        existing = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for old in existing[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_from(engine: dtrain.Engine, root: Path) -> None:
+    """Load the newest checkpoint under `root`, or say that there is none."""
+    latest = checkpoint.find_latest(root)
+    if latest is None:
+        engine.print(f"--resume: no checkpoint under {root}; starting from scratch.")
+        return
+    manifest = engine.load(latest)
+    engine.print(
+        f"Resumed from {latest} (step {manifest['step']}, written by "
+        f"{manifest['strategy']} at world size {manifest['world_size']})."
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,45 @@
+"""User-facing errors: each says what was wrong and what to do next.
+
+Every error dtrain raises for bad input derives from :class:`DtrainError`. The CLI and the
+launcher print its message without a traceback from inside torch, and exit non-zero.
+"""
+
+from __future__ import annotations
+
+
+class DtrainError(Exception):
+    """A problem the user can fix; the message names it and the fix."""
+
+
+class ConfigError(DtrainError):
+    """An option, or a combination of options, that cannot work."""
+
+
+class SetupError(DtrainError):
+    """The Engine was used out of order (for example `backward` before `setup`)."""
+
+
+class NonFiniteLossError(DtrainError):
+    """The loss became NaN or infinite; training stopped before the optimizer step."""
+
+    def __init__(self, step: int, value: float) -> None:
+        super().__init__(
+            f"The loss is {value} at step {step}: training stopped before that step's "
+            "update, so the last checkpoint on disk is intact. Lower the learning rate "
+            "(--lr), check the inputs for NaN or infinite values, or resume from the last "
+            "checkpoint with --resume."
+        )
+        self.step = step
+        self.value = value
+
+
+class CheckpointError(DtrainError):
+    """A checkpoint is missing, malformed, or belongs to another model."""
+
+
+class LaunchError(DtrainError):
+    """One or more worker processes failed; the message names the ranks."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -1,0 +1,84 @@
+"""The first code each worker runs: executes the user's script or module and, if it
+raises, records the traceback (rank-tagged, user frames only) where the agent reads it.
+
+    python -m dtrain.launch.bootstrap script PATH [ARGS...]
+    python -m dtrain.launch.bootstrap module NAME [ARGS...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from dtrain.errors import DtrainError
+
+_HIDDEN = (runpy.__file__, __file__)
+
+
+def run_target(kind: str, target: str, args: list[str]) -> None:
+    """Run a script file or a module as ``__main__`` with `args` as its argv."""
+    if kind == "script":
+        sys.argv = [target, *args]
+        sys.path.insert(0, str(Path(target).resolve().parent))
+        runpy.run_path(target, run_name="__main__")
+    else:
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+
+def describe(error: BaseException) -> tuple[str, str]:
+    """(one-line message, traceback without the launcher's own frames) of `error`."""
+    if isinstance(error, DtrainError):
+        return str(error), ""
+    summary = traceback.extract_tb(error.__traceback__)
+    frames = [f for f in summary if f.filename not in _HIDDEN]
+    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames)]
+    lines += traceback.format_exception_only(type(error), error)
+    message = "".join(traceback.format_exception_only(type(error), error)).strip()
+    return message, "".join(lines)
+
+
+def record(error: BaseException) -> None:
+    """Write `error` to TORCHELASTIC_ERROR_FILE in the format the elastic agent reads."""
+    message, stack = describe(error)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))},
+        },
+        "dtrain": {
+            "message": message,
+            "traceback": stack,
+            "user_error": isinstance(error, DtrainError),
+        },
+    }
+    Path(path).write_text(json.dumps(data))
+
+
+def main(argv: list[str]) -> int:
+    """Run the target; on an exception record it and return exit code 1."""
+    kind, target, *args = argv
+    try:
+        run_target(kind, target, args)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the agent
+        record(e)
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            message, stack = describe(e)
+            print(stack or message, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,185 @@
+"""Launch the workers of a job.
+
+A one-process job on one machine runs in this process (like ``python script.py``); any
+other job goes through `torch.distributed.launcher.api.elastic_launch`, the agent behind
+torchrun: it starts the workers, sets RANK/WORLD_SIZE/LOCAL_RANK and the rendezvous,
+watches them, restarts the group up to --max-restarts times, and stops every survivor
+when one fails. We turn its failure record into a message naming each failed rank, its
+exit code or signal, and its own traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from dtrain.config import ENV_VAR, Config
+from dtrain.errors import ConfigError, DtrainError, LaunchError
+from dtrain.launch import bootstrap
+from dtrain.strategies import lookup
+from dtrain.topology import mask_devices, use_gpus
+
+
+@dataclass(frozen=True)
+class Target:
+    """What each worker runs: a script path or a module name, with its arguments."""
+
+    kind: str
+    name: str
+    args: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        """Fail early, before any process starts, if the target cannot exist."""
+        if self.kind == "script" and not Path(self.name).is_file():
+            raise ConfigError(
+                f"The script {self.name} does not exist; check the path (it is relative to "
+                f"{Path.cwd()})."
+            )
+
+
+def check_devices(config: Config) -> None:
+    """With GPUs in use, one process per GPU: --nproc may not exceed the visible GPUs."""
+    if lookup(config.strategy).multiprocess and use_gpus(config):
+        visible = torch.cuda.device_count()
+        if config.nproc > visible:
+            raise ConfigError(
+                f"--nproc {config.nproc} asks for more processes than the {visible} visible "
+                "GPU(s); use --nproc at most the number of GPUs (see --devices), or pass --cpu "
+                "to run on the CPU."
+            )
+
+
+def launch(config: Config, target: Target) -> None:
+    """Run `target` under `config`; raise LaunchError naming the ranks that failed."""
+    lookup(config.strategy).check_launch(config)
+    target.check()
+    mask_devices(config.devices)
+    check_devices(config)
+    os.environ[ENV_VAR] = config.to_json()
+    if config.nproc == 1 and config.nnodes == 1 and config.max_restarts == 0:
+        _run_here(target)
+    else:
+        _run_elastic(config, target)
+
+
+def _run_here(target: Target) -> None:
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    try:
+        bootstrap.run_target(target.kind, target.name, list(target.args))
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise LaunchError(
+                f"Rank 0 exited with code {e.code}.",
+                exit_code=int(e.code) if isinstance(e.code, int) else 1,
+            ) from None
+    except DtrainError:
+        raise
+    except Exception as e:
+        _, stack = bootstrap.describe(e)
+        raise LaunchError(f"Rank 0 failed:\n{stack.rstrip()}") from None
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+
+
+def _threads_per_worker(nproc: int) -> str:
+    return str(max(1, (os.cpu_count() or 1) // nproc))
+
+
+def _rendezvous(config: Config) -> dict[str, object]:
+    if config.nnodes == 1:
+        return {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "run_id": uuid.uuid4().hex}
+    assert config.master is not None
+    host, port = config.master.rsplit(":", 1)
+    if config.node_rank == 0:
+        check_port_free(int(port))
+    return {
+        "rdzv_backend": "static",
+        "rdzv_endpoint": config.master,
+        "rdzv_configs": {"rank": config.node_rank, "timeout": int(config.timeout_s)},
+        "run_id": f"dtrain-{host}-{port}",
+    }
+
+
+def check_port_free(port: int) -> None:
+    """Raise ConfigError if `port` cannot be bound on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise ConfigError(
+                f"Port {port} is already in use on this machine, so node 0 cannot host the "
+                "rendezvous there; pick a free port in --master HOST:PORT (the same on every "
+                "node)."
+            ) from None
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """The agent logs each failure itself; dtrain reports them once, more clearly."""
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    level = agent_log.level
+    agent_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        agent_log.setLevel(level)
+
+
+def _run_elastic(config: Config, target: Target) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", _threads_per_worker(config.nproc))
+    log_dir = tempfile.mkdtemp(prefix="dtrain-agent-")
+    launch_config = LaunchConfig(
+        min_nodes=config.nnodes,
+        max_nodes=config.nnodes,
+        nproc_per_node=config.nproc,
+        max_restarts=config.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        **_rendezvous(config),  # type: ignore[arg-type]
+    )
+    command = ("-u", "-m", bootstrap.__name__, target.kind, target.name, *target.args)
+    try:
+        with _quiet_agent():
+            elastic_launch(launch_config, sys.executable)(*command)
+    except ChildFailedError as e:
+        raise LaunchError(format_failures(e.failures)) from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def format_failures(failures: dict[int, ProcessFailure]) -> str:
+    """One paragraph per failed rank: how it ended and its own traceback or message."""
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        who = f"Rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        ours = data.get("dtrain")
+        if failure.exitcode < 0:
+            head = f"{who} was killed by signal {failure.signal_name()}"
+            detail = (
+                "It raised no Python exception: it was killed from outside or ran out "
+                "of memory; check the machine's logs (dmesg) and memory use."
+            )
+        else:
+            head = f"{who} exited with code {failure.exitcode}"
+            if ours:
+                detail = ours["message"] if ours["user_error"] else ours["traceback"].rstrip()
+            else:
+                detail = "It left no traceback; its output above shows why it stopped."
+        parts.append(f"{head}:\n{detail}")
+    return "\n\n".join(parts)

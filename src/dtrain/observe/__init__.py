@@ -1,0 +1,1 @@
+"""Measurement and reporting: progress bars, metrics, log files."""

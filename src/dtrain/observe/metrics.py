@@ -1,0 +1,35 @@
+"""Results: the metrics JSON (DESIGN.md's contract) and the short table printed at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+REQUIRED = ("strategy", "world_size", "steps", "train_loss", "samples_per_second", "wall_seconds")
+
+
+def write_metrics(path: Path, metrics: dict[str, Any]) -> None:
+    """Write `metrics` as one JSON object; it must hold the contract's required keys."""
+    missing = [k for k in REQUIRED if k not in metrics]
+    if missing:
+        raise ValueError(f"metrics lack the required keys {missing}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+
+
+def format_table(rows: list[tuple[str, Any]]) -> str:
+    """A two-column table of (name, value), floats shown to 4 significant figures."""
+
+    def show(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+        return str(value)
+
+    shown = [(name, show(value)) for name, value in rows]
+    left = max(len(n) for n, _ in shown)
+    right = max(len(v) for _, v in shown)
+    rule = f"+{'-' * (left + 2)}+{'-' * (right + 2)}+"
+    lines = [rule] + [f"| {n:<{left}} | {v:>{right}} |" for n, v in shown] + [rule]
+    return "\n".join(lines)

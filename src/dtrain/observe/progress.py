@@ -1,0 +1,78 @@
+"""A progress bar for the main rank: loss, samples/s and ETA; silent on other ranks."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+
+class Throughput:
+    """Counts samples and the seconds spent producing them (over all ranks)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.seconds = 0.0
+
+    @property
+    def samples_per_second(self) -> float:
+        """Samples per second so far (0 before the first step)."""
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def track(
+    items: Iterable[T],
+    *,
+    total: int,
+    samples_per_item: int,
+    throughput: Throughput,
+    loss: Callable[[], float | None],
+    desc: str,
+    enabled: bool,
+) -> Iterator[T]:
+    """Yield `items`, timing them into `throughput`; draw a bar when `enabled`.
+
+    Args:
+        items: the batches.
+        total: how many will be yielded (for the ETA).
+        samples_per_item: global samples per batch.
+        throughput: accumulates samples and seconds.
+        loss: returns the latest loss to show, or None.
+        desc: label on the left of the bar.
+        enabled: draw the bar (main rank only).
+    """
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        disable=not enabled,
+        file=sys.stderr,
+        leave=True,
+        dynamic_ncols=True,
+        unit="step",
+        mininterval=0.5,
+    )
+    epoch_samples, epoch_start = 0, time.perf_counter()
+    try:
+        start = time.perf_counter()
+        for item in items:
+            yield item
+            now = time.perf_counter()
+            throughput.seconds += now - start
+            throughput.samples += samples_per_item
+            epoch_samples += samples_per_item
+            start = now
+            if enabled:
+                value = loss()
+                rate = epoch_samples / max(now - epoch_start, 1e-9)
+                bar.set_postfix_str(
+                    (f"loss={value:.4f} " if value is not None else "") + f"{rate:,.0f} samples/s",
+                    refresh=False,
+                )
+                bar.update(1)
+    finally:
+        bar.close()

@@ -1,0 +1,127 @@
+"""The protocol every strategy implements, and the registry `--strategy` looks names up in.
+
+A strategy owns how the model and optimizer are wrapped, how gradients are synchronised
+and which module holds the canonical (unwrapped) parameters. The Engine owns the loop
+mechanics that are the same for all of them (micro-batching, loss checks, stepping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.topology import Topology
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+class Strategy:
+    """Base class: one device per process, no wrapping. Subclasses override what differs.
+
+    Class attributes:
+        name: the `--strategy` value.
+        aliases: other accepted names.
+        multiprocess: True if the strategy runs one process per device (needs a process
+            group); False if it runs in one process (`--nproc` must be 1).
+    """
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    multiprocess: ClassVar[bool] = False
+    summary: ClassVar[str] = ""
+    order: ClassVar[int] = 100
+    """Position in listings (`--help`, error messages): simplest strategies first."""
+
+    def __init__(self, config: Config, topology: Topology) -> None:
+        self.config = config
+        self.topology = topology
+        self.model: nn.Module | None = None
+
+    @classmethod
+    def check_launch(cls, config: Config) -> None:
+        """Validate the process layout before any process starts (called by the launcher)."""
+        if not cls.multiprocess and (config.nproc != 1 or config.nnodes != 1):
+            raise ConfigError(
+                f"Strategy '{cls.name}' runs in one process, but --nproc {config.nproc} "
+                f"--nnodes {config.nnodes} were given; drop --nproc/--nnodes, or use a "
+                "multi-process strategy such as --strategy ddp."
+            )
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel processes (each reads a different share of the data)."""
+        return self.topology.world_size if self.multiprocess else 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's index among the data-parallel processes."""
+        return self.topology.rank if self.multiprocess else 0
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where the Engine puts each batch before calling the model."""
+        return self.topology.device
+
+    @property
+    def micro_splits(self) -> int:
+        """How many equal parts one process's batch is further split into (towers)."""
+        return 1
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        """Place and wrap `model`; return the module the training loop calls."""
+        self.model = model.to(self.topology.device)
+        return self.model
+
+    def unwrap(self) -> nn.Module:
+        """The user's module, whose state_dict has canonical parameter names."""
+        assert self.model is not None
+        return self.model
+
+    def eval_module(self) -> nn.Module:
+        """The module to evaluate with (no gradient synchronisation, any batch count)."""
+        return self.unwrap()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate `loss` and make the gradients ready for the optimizer."""
+        loss.backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, skipping synchronisation, inside the block."""
+        yield
+
+    def close(self) -> None:
+        """Release wrappers before the process group is destroyed."""
+        self.model = None
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make `cls` selectable by its name and aliases."""
+    for key in (cls.name, *cls.aliases):
+        if key in _REGISTRY:
+            raise ValueError(f"Strategy name '{key}' is registered twice.")
+        _REGISTRY[key] = cls
+    return cls
+
+
+def available() -> list[str]:
+    """Names (not aliases) of the registered strategies, simplest first."""
+    classes = sorted(set(_REGISTRY.values()), key=lambda cls: (cls.order, cls.name))
+    return [cls.name for cls in classes]
+
+
+def lookup(name: str) -> type[Strategy]:
+    """The strategy class registered under `name`; a ConfigError listing the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(
+            f"Unknown strategy '{name}'. Known strategies: {', '.join(available())}. "
+            "Pick one with --strategy NAME."
+        ) from None

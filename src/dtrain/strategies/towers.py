@@ -1,0 +1,201 @@
+"""`towers`: one process, N model replicas ("towers") sharing one set of variables.
+
+The seeds' TensorFlow towers, PyTorch `nn.DataParallel` and Keras `multi_gpu_model`: the
+variables live on a parameter device (the CPU, or the only GPU); each batch is split
+evenly over the towers; every tower runs a replica refreshed from the variables; the
+outputs are gathered on the parameter device, where the loss is computed over the whole
+batch; after backward the towers' gradients are summed per variable (variables without
+a gradient skipped) and the optimizer applies them once. Works on CPU as well as GPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import parallel_apply
+
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.strategies.base import Strategy, register
+from dtrain.topology import Topology, use_gpus
+
+
+def tower_devices(config: Config) -> tuple[list[torch.device], torch.device]:
+    """The towers' devices and the parameter device for `config`.
+
+    GPUs: one tower per visible GPU (or the first --towers of them); the variables stay
+    on the only GPU, or on the CPU when there are several. CPU: --towers replicas
+    (default 2) on the CPU.
+    """
+    if use_gpus(config):
+        visible = torch.cuda.device_count()
+        count = config.towers or visible
+        if count > visible:
+            raise ConfigError(
+                f"--towers {count} asks for more towers than the {visible} visible GPU(s); "
+                "lower --towers, or pass --cpu to run the towers on the CPU."
+            )
+        devices = [torch.device("cuda", i) for i in range(count)]
+        param_device = devices[0] if count == 1 else torch.device("cpu")
+        return devices, param_device
+    count = config.towers or 2
+    return [torch.device("cpu")] * count, torch.device("cpu")
+
+
+def _gather(outputs: Sequence[Any], device: torch.device) -> Any:
+    """Concatenate the towers' outputs along dim 0 on `device` (tensors, tuples, dicts)."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([o.to(device) for o in outputs], dim=0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_gather(parts, device) for parts in zip(*outputs, strict=True))
+    if isinstance(first, dict):
+        return {key: _gather([o[key] for o in outputs], device) for key in first}
+    raise TypeError(
+        f"The towers can gather tensors, tuples, lists and dicts of them; the model returned "
+        f"{type(first).__name__}."
+    )
+
+
+class TowerReplicas(nn.Module):
+    """Runs `module` as replicas on `devices`; `module` itself keeps the variables.
+
+    `state_dict()` and `parameters()` are those of `module` alone (canonical names under
+    ``module.``); the replicas are plain attributes, refreshed before every forward.
+    """
+
+    def __init__(
+        self, module: nn.Module, devices: list[torch.device], param_device: torch.device
+    ) -> None:
+        super().__init__()
+        self.module = module.to(param_device)
+        self.devices = devices
+        self.param_device = param_device
+        # A tower on the parameter device computes with the variables themselves, as
+        # nn.DataParallel does with its first device; the others hold copies.
+        master_used = False
+        replicas: list[nn.Module] = []
+        for device in devices:
+            if device == param_device and not master_used:
+                replicas.append(self.module)
+                master_used = True
+            else:
+                replicas.append(copy.deepcopy(self.module).to(device))
+        self._replicas = replicas
+
+    def train(self, mode: bool = True) -> TowerReplicas:
+        super().train(mode)
+        for replica in self._replicas:
+            replica.train(mode)
+        return self
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        source = list(self.module.parameters()) + list(self.module.buffers())
+        for replica in self._replicas:
+            if replica is self.module:
+                continue
+            target = list(replica.parameters()) + list(replica.buffers())
+            for dst, src in zip(target, source, strict=True):
+                dst.copy_(src, non_blocking=True)
+
+    def forward(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """Split `inputs` (and tensor args of the same batch size) over the towers."""
+        towers = len(self._replicas)
+        if inputs.shape[0] < towers:
+            raise ConfigError(
+                f"A batch of {inputs.shape[0]} sample(s) cannot be split over {towers} towers; "
+                f"use a batch of at least {towers} (a multiple of {towers} keeps the towers even) "
+                "or fewer --towers."
+            )
+        self._refresh()
+        chunks = [torch.tensor_split(inputs, towers, dim=0)]
+        chunks += [
+            torch.tensor_split(a, towers, dim=0)
+            if isinstance(a, torch.Tensor) and a.shape[:1] == inputs.shape[:1]
+            else [a] * towers
+            for a in args
+        ]
+        tower_inputs = [
+            tuple(c.to(dev, non_blocking=True) if isinstance(c, torch.Tensor) else c for c in part)
+            for dev, part in zip(self.devices, zip(*chunks, strict=True), strict=True)
+        ]
+        tower_kwargs = [kwargs] * towers
+        if all(d.type == "cuda" for d in self.devices) and len(set(self.devices)) == towers:
+            outputs = parallel_apply(self._replicas, tower_inputs, tower_kwargs, self.devices)
+        else:
+            # CPU towers share the cores; running them one after the other is as fast.
+            outputs = [
+                replica(*inp, **kw)
+                for replica, inp, kw in zip(self._replicas, tower_inputs, tower_kwargs, strict=True)
+            ]
+        if self.training:
+            self._keep_first_buffers()
+        return _gather(outputs, self.param_device)
+
+    @torch.no_grad()
+    def _keep_first_buffers(self) -> None:
+        """Running statistics (BatchNorm) follow the first tower, as in nn.DataParallel."""
+        first = self._replicas[0]
+        if first is not self.module:
+            for dst, src in zip(self.module.buffers(), first.buffers(), strict=True):
+                dst.copy_(src)
+
+    @torch.no_grad()
+    def combine_gradients(self) -> None:
+        """Sum every tower's gradient into the variables, per variable, skipping None."""
+        params = list(self.module.parameters())
+        for replica in self._replicas:
+            if replica is self.module:
+                continue
+            for param, tower_param in zip(params, replica.parameters(), strict=True):
+                if tower_param.grad is None:
+                    continue
+                grad = tower_param.grad.to(self.param_device)
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+                tower_param.grad = None
+
+
+@register
+class Towers(Strategy):
+    """Single-process data parallel over N replicas (`--towers N`)."""
+
+    name = "towers"
+    summary = "one process, N replicas sharing the variables (nn.DataParallel, TF towers)"
+    order = 10
+
+    def __init__(self, config: Config, topology: Topology) -> None:
+        super().__init__(config, topology)
+        self.devices, self.param_device = tower_devices(config)
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.param_device
+
+    @property
+    def micro_splits(self) -> int:
+        return len(self.devices)
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        self.model = TowerReplicas(model, self.devices, self.param_device)
+        return self.model
+
+    def unwrap(self) -> nn.Module:
+        assert isinstance(self.model, TowerReplicas)
+        return self.model.module
+
+    def eval_module(self) -> nn.Module:
+        assert self.model is not None
+        return self.model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        assert isinstance(self.model, TowerReplicas)
+        loss.backward()
+        self.model.combine_gradients()

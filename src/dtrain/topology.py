@@ -1,0 +1,117 @@
+"""Who am I: rank, world size, device and backend of this process.
+
+One explicit :class:`Topology` object is built by `dtrain.init()` and passed to whatever
+needs it; there is no module-level distributed state.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The place of this process in the job.
+
+    Attributes:
+        rank: global rank of this process, in [0, world_size).
+        world_size: number of processes in the job.
+        local_rank: rank among the processes of this machine.
+        local_world_size: processes on this machine.
+        device: the device this process computes on (``cuda:LOCAL_RANK`` or ``cpu``).
+        backend: ``nccl`` on GPUs, ``gloo`` on CPU.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that prints and writes checkpoints."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is (or must be) initialised."""
+        return dist.is_available() and dist.is_initialized()
+
+
+def mask_devices(devices: list[int] | None) -> None:
+    """Restrict this process (and its children) to `devices` via CUDA_VISIBLE_DEVICES.
+
+    Must run before CUDA is first used; later calls cannot change what CUDA sees.
+    """
+    if devices is None:
+        return
+    wanted = ",".join(str(d) for d in devices)
+    if torch.cuda.is_initialized() and os.environ.get("CUDA_VISIBLE_DEVICES") != wanted:
+        raise ConfigError(
+            "--devices must be set before CUDA is initialised; pass it to `dtrain run` or "
+            "call dtrain.init(devices=...) before any tensor is placed on a GPU."
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = wanted
+
+
+def use_gpus(config: Config) -> bool:
+    """Whether this job computes on GPUs: some are visible and --cpu was not given."""
+    return not config.cpu and torch.cuda.is_available()
+
+
+def detect(config: Config) -> Topology:
+    """Build the topology from the environment `dtrain run` (or torchrun) set, or as a
+    single process when run directly with ``python script.py``."""
+    mask_devices(config.devices)
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if use_gpus(config):
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise ConfigError(
+                f"This machine runs {local_world_size} processes but only {visible} GPU(s) "
+                "are visible; lower --nproc to at most the number of GPUs, widen --devices, "
+                "or pass --cpu to run on the CPU."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    return Topology(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+def init_process_group(topology: Topology, timeout_s: float) -> None:
+    """Join the process group of the job (env:// rendezvous set by the launcher).
+
+    A one-process job started without a launcher gets a private in-memory store, so
+    multi-process strategies also run with ``python script.py``.
+    """
+    if dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        dist.init_process_group(
+            topology.backend,
+            rank=topology.rank,
+            world_size=topology.world_size,
+            timeout=timeout,
+            device_id=topology.device if topology.device.type == "cuda" else None,
+        )
+    else:
+        dist.init_process_group(
+            topology.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
