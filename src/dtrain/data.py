@@ -28,9 +28,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         seed: base seed of the shuffle.
         drop_last: drop an epoch's last, incomplete global batch (default for training,
             so that every step sees a full global batch whatever the world size). When
-            False the last global batch is split as evenly as possible; if it has fewer
-            samples than ranks it is dropped, since a rank with nothing to do would stall
-            the others.
+            False (for evaluation) the last global batch is split as evenly as possible,
+            and a rank whose share is empty has one batch fewer; every sample is seen
+            exactly once.
     """
 
     def __init__(
@@ -73,8 +73,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         full, rest = divmod(self.dataset_size, self.global_batch_size)
-        partial = 0 if self.drop_last or rest < self.dp_size else 1
-        return full + partial
+        has_share = rest > self.dp_rank  # tensor_split gives the first `rest` ranks a sample
+        return full + (0 if self.drop_last or not has_share else 1)
 
     def _order(self) -> torch.Tensor:
         if not self.shuffle:

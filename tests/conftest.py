@@ -1,0 +1,33 @@
+"""Shared fixtures: a small, real training job every equivalence test runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run the `dtrain` command in a subprocess; return it with its output captured."""
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_CONFIG"}
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "dtrain.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_topology(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests build their topology explicitly; none leaks in from the environment."""
+    for name in ("DTRAIN_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)

@@ -1,0 +1,106 @@
+"""Checkpoints: DESIGN.md's layout, loadable across strategies and world sizes, atomic."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from distributed import run_ranks
+from torch.testing import assert_close
+from training import train
+
+import dtrain
+from dtrain.checkpoint.verify import verify
+from dtrain.errors import CheckpointError
+from dtrain.models.digits import DigitsCNN, DigitsMLP
+
+
+@pytest.fixture(scope="module")
+def ddp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint written by ddp at world size 2 after 5 steps."""
+    path = tmp_path_factory.mktemp("ckpt") / "ddp-step5"
+    run_ranks(functools.partial(train, steps=5, checkpoint_out=str(path), strategy="ddp"), 2)
+    return path
+
+
+def test_layout_and_manifest(ddp_checkpoint: Path) -> None:
+    manifest = json.loads((ddp_checkpoint / "manifest.json").read_text())
+    assert manifest["format"] == dtrain.checkpoint.FORMAT
+    assert (manifest["step"], manifest["strategy"], manifest["world_size"]) == (5, "ddp", 2)
+    assert {"model.safetensors", "optimizer.pt", "trainer.pt"} <= set(manifest["files"])
+    names = torch.load(ddp_checkpoint / "optimizer.pt", weights_only=True)["state"].keys()
+    assert set(names) == {n for n, _ in DigitsMLP(hidden=32).named_parameters()}
+
+
+def test_plain_pytorch_loads_it_without_dtrain(ddp_checkpoint: Path) -> None:
+    model = DigitsMLP(hidden=32)
+    model.load_state_dict(safetensors.torch.load_file(ddp_checkpoint / "model.safetensors"))
+
+
+@pytest.mark.parametrize("options", [{"strategy": "single"}, {"strategy": "towers", "towers": 3}])
+def test_resume_under_another_strategy_continues_identically(
+    ddp_checkpoint: Path, options: dict
+) -> None:
+    uninterrupted = train(steps=10, strategy="single")
+    resumed = train(steps=5, checkpoint_in=str(ddp_checkpoint), **options)
+    assert_close(resumed, uninterrupted)
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(ddp_checkpoint: Path) -> None:
+    engine = dtrain.init(strategy="single")
+    engine.setup(DigitsCNN())
+    with pytest.raises(CheckpointError, match="does not fit this model") as err:
+        engine.load(ddp_checkpoint)
+    assert "missing: features.0.bias, features.0.weight" in str(err.value)
+    assert "unexpected: net.1.bias, net.1.weight" in str(err.value)
+    engine.close()
+
+
+def test_wrong_shapes_are_named_and_strict_false_skips_them(ddp_checkpoint: Path) -> None:
+    engine = dtrain.init(strategy="single")
+    model = DigitsMLP(hidden=16)
+    engine.setup(model)
+    with pytest.raises(CheckpointError, match=r"wrongly shaped: net.1.bias \(checkpoint \[32\]"):
+        engine.load(ddp_checkpoint)
+    engine.load(ddp_checkpoint, strict=False)  # nothing fits but nothing breaks
+    engine.close()
+
+
+def test_verify_names_truncated_and_corrupt_files(ddp_checkpoint: Path, tmp_path: Path) -> None:
+    assert verify(ddp_checkpoint) == []
+    broken = tmp_path / "broken"
+    shutil.copytree(ddp_checkpoint, broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[:-10])
+    flipped = bytearray((broken / "optimizer.pt").read_bytes())
+    flipped[-5] ^= 0xFF
+    (broken / "optimizer.pt").write_bytes(bytes(flipped))
+    problems = verify(broken)
+    assert any(p.startswith("model.safetensors is truncated") for p in problems)
+    assert any(p.startswith("optimizer.pt is corrupt") for p in problems)
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = dtrain.init(strategy="single")
+    model = DigitsMLP(hidden=8)
+    engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    target = tmp_path / "ckpt"
+    engine.save(target)
+    before = (target / "manifest.json").read_text()
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        engine.save(target)
+    assert (target / "manifest.json").read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    engine.close()

@@ -1,0 +1,62 @@
+"""Sharded loading: the samples of step t do not depend on the number of workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.data import ShardedBatchSampler
+from dtrain.errors import ConfigError
+
+
+def shares(world: int, global_batch: int = 12, size: int = 100, epoch: int = 0) -> list[list[int]]:
+    """Each rank's batches for one epoch, rank by rank."""
+    out = []
+    for rank in range(world):
+        sampler = ShardedBatchSampler(size, global_batch // world, world, rank, seed=3)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_global_batches_are_the_same_at_any_world_size(world: int) -> None:
+    single = shares(1)[0]
+    per_rank = shares(world)
+    assert all(len(batches) == len(single) for batches in per_rank)
+    for step, global_batch in enumerate(single):
+        joined = [i for rank in range(world) for i in per_rank[rank][step]]
+        assert joined == global_batch
+
+
+def test_shares_are_disjoint_and_drop_the_partial_batch() -> None:
+    per_rank = shares(2, global_batch=12, size=100)
+    seen = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(seen) == len(set(seen)) == 96  # 8 full global batches of 12; 4 dropped
+
+
+def test_each_epoch_has_its_own_shuffle_and_iteration_moves_on() -> None:
+    sampler = ShardedBatchSampler(100, 10, seed=1)
+    first, second = list(sampler), list(sampler)
+    assert first != second
+    sampler.set_epoch(0)
+    assert list(sampler) == first
+
+
+def test_skip_resumes_inside_an_epoch() -> None:
+    sampler = ShardedBatchSampler(100, 10, seed=1)
+    full = list(sampler)
+    sampler.set_epoch(0, skip=4)
+    assert list(sampler) == full[4:]
+
+
+def test_evaluation_keeps_the_partial_batch_split_over_ranks() -> None:
+    seen = []
+    for rank in range(3):
+        sampler = ShardedBatchSampler(25, 4, 3, rank, shuffle=False, drop_last=False)
+        seen += [i for batch in sampler for i in batch]
+    assert sorted(seen) == list(range(25))
+
+
+def test_a_data_set_smaller_than_one_global_batch_is_refused() -> None:
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        ShardedBatchSampler(10, 8, dp_size=2)

@@ -1,0 +1,32 @@
+"""Learning-rate rules: the seeds' example and Goyal et al.'s linear rule with warmup."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.errors import ConfigError
+from dtrain.lr import LRSchedule, scale_lr
+
+
+def test_seeds_example_is_the_sqrt_rule() -> None:
+    # One GPU at batch 100, lr 0.001 -> four GPUs at batch 400, lr 0.002.
+    assert scale_lr(0.001, 400, 100, "sqrt") == pytest.approx(0.002)
+
+
+def test_linear_and_none() -> None:
+    assert scale_lr(0.1, 8192, 256, "linear") == pytest.approx(3.2)
+    assert scale_lr(0.1, 8192, 256, "none") == 0.1
+
+
+def test_unknown_rule_is_refused() -> None:
+    with pytest.raises(ConfigError, match="linear"):
+        scale_lr(0.1, 64, 64, "cubic")
+
+
+def test_schedule_warms_up_then_decays_to_zero() -> None:
+    schedule = LRSchedule(peak=1.0, start=0.25, warmup_steps=4, total_steps=12)
+    assert schedule(0) == 0.25
+    assert schedule(2) == pytest.approx(0.625)
+    assert schedule(4) == 1.0
+    assert schedule(8) == pytest.approx(0.5)
+    assert schedule(12) == pytest.approx(0.0)

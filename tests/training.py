@@ -1,0 +1,63 @@
+"""A small real job (digits, a tiny MLP, SGD with momentum) run identically under any
+strategy, so tests can compare parameters after K steps with the single-process result."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import dtrain
+from dtrain.datasets import load_digits
+from dtrain.models.digits import DigitsMLP
+
+GLOBAL_BATCH = 12  # divides over 1, 2, 3 workers, 2 or 3 towers, 2 micro-batches
+
+
+def train(
+    steps: int = 10,
+    checkpoint_in: str | None = None,
+    checkpoint_out: str | None = None,
+    close: bool = True,
+    **options: Any,
+) -> dict[str, torch.Tensor]:
+    """Train `steps` steps under `options` (given to dtrain.init); return the parameters.
+
+    With `checkpoint_in`, first load that checkpoint (any strategy may have written it);
+    with `checkpoint_out`, save one at the end. `close=False` keeps the process group for
+    another run in the same processes.
+    """
+    engine = dtrain.init(seed=0, **options)
+    model = DigitsMLP(hidden=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = engine.setup(model, optimizer)
+    if checkpoint_in:
+        engine.load(checkpoint_in)
+    train_set, _ = load_digits()
+    loader = engine.dataloader(train_set, batch_size=GLOBAL_BATCH // engine.dp_size)
+    epoch = engine.epoch
+    target = engine.step + steps
+    while engine.step < target:
+        for batch in engine.progress(loader, epoch=epoch):
+            engine.train_step(batch, F.cross_entropy)
+            if engine.step == target:
+                break
+        epoch += 1
+    if checkpoint_out:
+        engine.save(checkpoint_out)
+    params = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    del model, optimizer
+    gc.collect()
+    if close:
+        engine.close()
+    else:
+        engine.strategy.close()
+    return params
+
+
+def train_variants(variants: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+    """Run several `train` configurations one after the other in this process group."""
+    last = len(variants) - 1
+    return [train(close=i == last, **variant) for i, variant in enumerate(variants)]
