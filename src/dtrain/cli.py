@@ -12,7 +12,7 @@ from dtrain import demo
 from dtrain.checkpoint.verify import summary, verify
 from dtrain.config import Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError
-from dtrain.launch import Target, launch
+from dtrain.launch.runner import Target, launch
 from dtrain.observe.metrics import format_table
 from dtrain.strategies import available, lookup
 from dtrain.strategies.towers import tower_devices

@@ -176,18 +176,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             break
         epoch_start_step = engine.step
         for batch in engine.progress(loader, epoch=epoch):
-            if engine.step >= max_steps:
-                break
             schedule.apply(optimizer, engine.step)
             last_loss = engine.train_step(batch, F.cross_entropy).item()
             if args.checkpoint_every and engine.step % args.checkpoint_every == 0:
                 save(engine, ckpt_root)
+            if engine.step >= max_steps:
+                break
         if engine.step == epoch_start_step:
             continue  # an epoch the resumed checkpoint had already trained
         if not args.checkpoint_every:
             save(engine, ckpt_root)
         LOGGER.info("epoch %d done at step %d, loss %.4f", epoch, engine.step, last_loss)
 
+    save(engine, ckpt_root)  # the final model is always on disk
     result = engine.evaluate(test_loader, F.cross_entropy)
     metrics: dict[str, object] = {
         "strategy": engine.strategy.name,
@@ -217,8 +218,11 @@ def none_if_nan(value: float) -> float | None:
 
 
 def save(engine: dtrain.Engine, root: Path) -> None:
-    """Checkpoint to ``root/step-NNNNNNNN`` and keep the newest few."""
-    engine.save(root / f"step-{engine.step:08d}")
+    """Checkpoint to ``root/step-NNNNNNNN`` (unless that step is saved) and keep the newest few."""
+    path = root / f"step-{engine.step:08d}"
+    if checkpoint.find_latest(root) == path:
+        return
+    engine.save(path)
     if engine.is_main:
         existing = sorted(p for p in root.glob("step-*") if p.is_dir())
         for old in existing[:-KEEP_CHECKPOINTS]:

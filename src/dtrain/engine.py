@@ -50,6 +50,8 @@ class Engine:
         self.epoch = 0
         self.throughput = Throughput()
         self._samples_in_epoch = 0
+        """Samples of the current epoch already trained (the data position)."""
+        self._samples_per_step = 0
         self._resume_at: tuple[int, int] | None = None
         self._last_loss: float | None = None
 
@@ -118,6 +120,7 @@ class Engine:
 
     def _count_step(self, *_: Any) -> None:
         self.step += 1
+        self._samples_in_epoch += self._samples_per_step
 
     def _require_setup(self, what: str) -> None:
         if self.model is None:
@@ -181,6 +184,7 @@ class Engine:
         self.epoch = epoch
         batches = len(loader) - skip
         self._samples_in_epoch = skip * per_step
+        self._samples_per_step = per_step
         for batch in track(
             loader,
             total=batches,
@@ -190,7 +194,6 @@ class Engine:
             desc=desc or f"epoch {epoch}",
             enabled=self.is_main,
         ):
-            self._samples_in_epoch += per_step
             yield batch
 
     # -- training -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dtrain.errors import DtrainError
 
-_HIDDEN = (runpy.__file__, __file__)
+_HIDDEN = (runpy.__file__, "<frozen runpy>", __file__)
 
 
 def run_target(kind: str, target: str, args: list[str]) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -132,7 +133,7 @@ def _quiet_agent() -> Iterator[None]:
     """The agent logs each failure itself; dtrain reports them once, more clearly."""
     agent_log = logging.getLogger("torch.distributed.elastic")
     level = agent_log.level
-    agent_log.setLevel(logging.ERROR)
+    agent_log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -163,23 +164,34 @@ def _run_elastic(config: Config, target: Target) -> None:
 
 
 def format_failures(failures: dict[int, ProcessFailure]) -> str:
-    """One paragraph per failed rank: how it ended and its own traceback or message."""
+    """One paragraph per failed rank: how it ended and its own traceback or message.
+
+    When one rank fails the agent stops the others with SIGTERM; those are listed last,
+    in one line, so the rank that caused the failure stands first.
+    """
+    stopped = [r for r, f in failures.items() if f.exitcode == -signal.SIGTERM]
+    causes = {r: f for r, f in failures.items() if r not in stopped} or failures
     parts = []
-    for rank, failure in sorted(failures.items()):
+    for rank, failure in sorted(causes.items()):
         who = f"Rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
         data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
         ours = data.get("dtrain")
         if failure.exitcode < 0:
             head = f"{who} was killed by signal {failure.signal_name()}"
             detail = (
-                "It raised no Python exception: it was killed from outside or ran out "
-                "of memory; check the machine's logs (dmesg) and memory use."
+                "It raised no Python exception: it was killed from outside or ran out of "
+                "memory; check the machine's logs (dmesg) and its memory use."
             )
         else:
             head = f"{who} exited with code {failure.exitcode}"
             if ours:
                 detail = ours["message"] if ours["user_error"] else ours["traceback"].rstrip()
             else:
-                detail = "It left no traceback; its output above shows why it stopped."
+                detail = "It left no traceback; its own output above shows why it stopped."
         parts.append(f"{head}:\n{detail}")
+    others = sorted(set(stopped) - set(causes))
+    if others:
+        parts.append(
+            f"Rank(s) {', '.join(map(str, others))} were stopped by the launcher after that."
+        )
     return "\n\n".join(parts)

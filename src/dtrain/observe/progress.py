@@ -57,22 +57,29 @@ def track(
         mininterval=0.5,
     )
     epoch_samples, epoch_start = 0, time.perf_counter()
+    start = epoch_start
+
+    def done() -> None:
+        nonlocal epoch_samples, start
+        now = time.perf_counter()
+        throughput.seconds += now - start
+        throughput.samples += samples_per_item
+        epoch_samples += samples_per_item
+        start = now
+        if enabled:
+            value = loss()
+            rate = epoch_samples / max(now - epoch_start, 1e-9)
+            shown = (f"loss={value:.4f} " if value is not None else "") + f"{rate:,.0f} samples/s"
+            bar.set_postfix_str(shown, refresh=False)
+            bar.update(1)
+
     try:
-        start = time.perf_counter()
         for item in items:
-            yield item
-            now = time.perf_counter()
-            throughput.seconds += now - start
-            throughput.samples += samples_per_item
-            epoch_samples += samples_per_item
-            start = now
-            if enabled:
-                value = loss()
-                rate = epoch_samples / max(now - epoch_start, 1e-9)
-                bar.set_postfix_str(
-                    (f"loss={value:.4f} " if value is not None else "") + f"{rate:,.0f} samples/s",
-                    refresh=False,
-                )
-                bar.update(1)
+            try:
+                yield item
+            except GeneratorExit:
+                done()  # the loop broke out after using this item (e.g. --steps reached)
+                raise
+            done()
     finally:
         bar.close()

@@ -1,0 +1,194 @@
+"""`dtrain demo` and `dtrain run` end to end, through the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+from conftest import run_cli
+from torch.testing import assert_close
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def demo(tmp_path: Path, *flags: str, name: str = "run") -> dict:
+    out = tmp_path / name
+    proc = run_cli(
+        "demo", *flags, "--out", str(out), "--metrics-json", str(out / "m.json"), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "m.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--strategy", "single"), ("--strategy", "towers"), ("--strategy", "ddp", "--nproc", "2")],
+    ids=["single", "towers", "ddp2"],
+)
+def test_demo_reaches_95_percent(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    metrics = demo(tmp_path, *flags)
+    assert metrics["test_accuracy"] >= 0.95
+    assert metrics["steps"] == 12 * (1437 // 64)
+    assert metrics["world_size"] == (2 if "ddp" in flags else 1)
+    for key in ("strategy", "train_loss", "samples_per_second", "wall_seconds"):
+        assert key in metrics
+    assert (tmp_path / "run" / "logs" / "rank0.log").is_file()
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == ["step-00000220", "step-00000242", "step-00000264"]
+
+
+def test_stop_and_resume_under_another_strategy_equals_uninterrupted(tmp_path: Path) -> None:
+    common = ("--model", "mlp", "--epochs", "2", "--checkpoint-every", "10")
+    demo(tmp_path, *common, name="whole")
+    demo(tmp_path, *common, "--steps", "25", name="split")
+    resumed = demo(tmp_path, *common, "--strategy", "ddp", "--nproc", "2", "--resume", name="split")
+    assert resumed["steps"] == 44
+    whole = safetensors.torch.load_file(
+        tmp_path / "whole/checkpoints/step-00000044/model.safetensors"
+    )
+    split = safetensors.torch.load_file(
+        tmp_path / "split/checkpoints/step-00000044/model.safetensors"
+    )
+    assert_close(split, whole)
+
+
+def test_unknown_strategy_lists_the_known_ones(tmp_path: Path) -> None:
+    proc = run_cli("demo", "--strategy", "magic", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Unknown strategy 'magic'. Known strategies: single, towers, ddp" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ("--strategy", "ddp", "--nproc", "3", "--global-batch-size", "64"),
+            "does not divide evenly over 3 data-parallel workers",
+        ),
+        (
+            ("--strategy", "ddp", "--nproc", "2", "--global-batch-size", "1"),
+            "smaller than the 2 data-parallel workers",
+        ),
+        (
+            ("--strategy", "towers", "--towers", "3", "--global-batch-size", "64"),
+            "does not split evenly into 3 tower(s)",
+        ),
+        (("--strategy", "single", "--nproc", "2"), "runs in one process"),
+    ],
+)
+def test_bad_topologies_are_refused_before_launch(
+    tmp_path: Path, flags: tuple, message: str
+) -> None:
+    proc = run_cli("demo", *flags, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_missing_script_is_named(tmp_path: Path) -> None:
+    proc = run_cli("run", "--strategy", "ddp", "--nproc", "2", "nope.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "The script nope.py does not exist" in proc.stderr
+
+
+def test_a_non_finite_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "nan"
+    proc = run_cli(
+        "demo",
+        "--model",
+        "mlp",
+        "--lr",
+        "1e12",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "The loss is" in proc.stderr and "at step" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    kept = sorted((out / "checkpoints").iterdir())
+    assert kept, "the checkpoints written before the bad step must stay"
+    assert run_cli("ckpt", "verify", str(kept[-1]), cwd=tmp_path).returncode == 0
+
+
+FAILING_SCRIPT = """
+import dtrain
+engine = dtrain.init()
+
+def compute(x):
+    if engine.rank == 1:
+        raise ValueError("bad batch on purpose")
+    return x
+
+engine.barrier()
+compute(1)
+engine.barrier()
+"""
+
+
+def test_a_failing_rank_is_named_with_its_own_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(FAILING_SCRIPT)
+    proc = run_cli(
+        "run",
+        "--strategy",
+        "ddp",
+        "--nproc",
+        "2",
+        "--timeout",
+        "60",
+        str(script),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Rank 1 (local rank 1" in proc.stderr
+    assert "exited with code 1" in proc.stderr
+    assert 'fails.py", line 7, in compute' in proc.stderr
+    assert "ValueError: bad batch on purpose" in proc.stderr
+    assert "runpy" not in proc.stderr
+
+
+def test_ckpt_inspect_describes_a_checkpoint(tmp_path: Path) -> None:
+    demo(tmp_path, "--model", "mlp", "--epochs", "1")
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000022"
+    proc = run_cli("ckpt", "inspect", str(ckpt), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for text in ("single", "step", "22", "SGD", "net.1.weight"):
+        assert text in proc.stdout
+
+
+KILLED_SCRIPT = """
+import os, signal
+import dtrain
+engine = dtrain.init()
+engine.barrier()
+if engine.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+engine.barrier()
+"""
+
+
+def test_a_killed_rank_is_named_with_its_signal_and_nobody_hangs(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SCRIPT)
+    proc = run_cli(
+        "run",
+        "--strategy",
+        "ddp",
+        "--nproc",
+        "2",
+        "--timeout",
+        "30",
+        str(script),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Rank 1 (local rank 1" in proc.stderr
+    assert "killed by signal SIGKILL" in proc.stderr
