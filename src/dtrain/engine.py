@@ -177,7 +177,7 @@ class Engine:
             if epoch == resume_epoch and isinstance(sampler, ShardedBatchSampler):
                 skip = resume_samples // sampler.global_batch_size
             self._resume_at = None
-        per_step = len(loader)
+        per_step = (loader.batch_size or 0) * self.dp_size
         if isinstance(sampler, ShardedBatchSampler):
             sampler.set_epoch(epoch, skip=skip)
             per_step = sampler.global_batch_size
@@ -185,7 +185,7 @@ class Engine:
         batches = len(loader) - skip
         self._samples_in_epoch = skip * per_step
         self._samples_per_step = per_step
-        for batch in track(
+        yield from track(
             loader,
             total=batches,
             samples_per_item=per_step,
@@ -193,8 +193,7 @@ class Engine:
             loss=lambda: self._last_loss,
             desc=desc or f"epoch {epoch}",
             enabled=self.is_main,
-        ):
-            yield batch
+        )
 
     # -- training -------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:

@@ -1,0 +1,127 @@
+"""dtrain's `ddp` against a plain PyTorch DDP loop: same model, data and world size.
+
+Both loops run in the same processes, alternating, `--repeats` times; each run trains
+`--steps` steps from a fresh model and is timed from the first to the last step (after
+`--warmup` untimed steps). Prints samples/s of each run and the median ratio
+dtrain / plain (goal: >= 0.98, no measurable overhead).
+
+    python benchmarks/ddp_overhead.py --nproc 2 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import dtrain
+from dtrain.models import build
+
+
+def make_data(samples: int) -> TensorDataset:
+    """Digit-shaped synthetic data (the digits set is too small for long timed runs)."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(samples, 1, 8, 8, generator=generator)
+    labels = torch.randint(0, 10, (samples,), generator=generator)
+    return TensorDataset(images, labels)
+
+
+def timed(batches, step, warmup: int, steps: int) -> float:
+    """Seconds for `steps` calls of step(batch) after `warmup` untimed ones."""
+    it = iter(batches)
+    for _ in range(warmup):
+        step(next(it))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(next(it))
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def plain_run(args: argparse.Namespace, data: TensorDataset) -> float:
+    """samples/s of the loop a user writes by hand with torch DDP."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(build(args.model))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    per_worker = args.global_batch_size // dist.get_world_size()
+    sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(data, batch_size=per_worker, sampler=sampler, drop_last=True)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds = timed(loader, step, args.warmup, args.steps)
+    del model
+    return args.steps * args.global_batch_size / seconds
+
+
+def dtrain_run(args: argparse.Namespace, data: TensorDataset) -> float:
+    """samples/s of the same job through dtrain's Engine (strategy ddp)."""
+    engine = dtrain.init(strategy="ddp")
+    model = build(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, optimizer = engine.setup(model, optimizer)
+    loader = engine.dataloader(data, batch_size=args.global_batch_size // engine.dp_size)
+    batches = engine.progress(loader, epoch=0)
+    seconds = timed(batches, lambda b: engine.train_step(b, F.cross_entropy), args.warmup,
+                    args.steps)
+    batches.close()
+    del model
+    engine.strategy.close()
+    return args.steps * args.global_batch_size / seconds
+
+
+def worker(args: argparse.Namespace) -> list[tuple[float, float]]:
+    """Alternate plain and dtrain runs; return (plain, dtrain) samples/s per repeat."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    samples = (args.warmup + args.steps + 1) * args.global_batch_size
+    data = make_data(samples)
+    pairs = []
+    for repeat in range(args.repeats):
+        order = (plain_run, dtrain_run) if repeat % 2 == 0 else (dtrain_run, plain_run)
+        result = {fn.__name__: fn(args, data) for fn in order}
+        pairs.append((result["plain_run"], result["dtrain_run"]))
+    return pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--global-batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args()
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+                          run_id=uuid.uuid4().hex, max_restarts=0, start_method="spawn")
+    pairs = elastic_launch(config, worker)(args)[0]
+    print(f"model {args.model}, world size {args.nproc}, global batch {args.global_batch_size}, "
+          f"{args.steps} steps per run, {args.repeats} repeats")
+    print(f"{'repeat':>6} {'plain samples/s':>16} {'dtrain samples/s':>17} {'ratio':>7}")
+    for i, (plain, ours) in enumerate(pairs):
+        print(f"{i:>6} {plain:>16,.0f} {ours:>17,.0f} {ours / plain:>7.3f}")
+    ratios = [ours / plain for plain, ours in pairs]
+    print(f"median plain {statistics.median(p for p, _ in pairs):,.0f} samples/s, "
+          f"median dtrain {statistics.median(o for _, o in pairs):,.0f} samples/s, "
+          f"median ratio {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
