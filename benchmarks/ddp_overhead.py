@@ -64,7 +64,6 @@ def plain_run(args: argparse.Namespace, data: TensorDataset) -> float:
         optimizer.zero_grad(set_to_none=True)
 
     seconds = timed(loader, step, args.warmup, args.steps)
-    del model
     return args.steps * args.global_batch_size / seconds
 
 
@@ -76,8 +75,9 @@ def dtrain_run(args: argparse.Namespace, data: TensorDataset) -> float:
     model, optimizer = engine.setup(model, optimizer)
     loader = engine.dataloader(data, batch_size=args.global_batch_size // engine.dp_size)
     batches = engine.progress(loader, epoch=0)
-    seconds = timed(batches, lambda b: engine.train_step(b, F.cross_entropy), args.warmup,
-                    args.steps)
+    seconds = timed(
+        batches, lambda b: engine.train_step(b, F.cross_entropy), args.warmup, args.steps
+    )
     batches.close()
     del model
     engine.strategy.close()
@@ -108,19 +108,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                          run_id=uuid.uuid4().hex, max_restarts=0, start_method="spawn")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id=uuid.uuid4().hex,
+        max_restarts=0,
+        start_method="spawn",
+    )
     pairs = elastic_launch(config, worker)(args)[0]
-    print(f"model {args.model}, world size {args.nproc}, global batch {args.global_batch_size}, "
-          f"{args.steps} steps per run, {args.repeats} repeats")
+    print(
+        f"model {args.model}, world size {args.nproc}, global batch {args.global_batch_size}, "
+        f"{args.steps} steps per run, {args.repeats} repeats"
+    )
     print(f"{'repeat':>6} {'plain samples/s':>16} {'dtrain samples/s':>17} {'ratio':>7}")
     for i, (plain, ours) in enumerate(pairs):
         print(f"{i:>6} {plain:>16,.0f} {ours:>17,.0f} {ours / plain:>7.3f}")
     ratios = [ours / plain for plain, ours in pairs]
-    print(f"median plain {statistics.median(p for p, _ in pairs):,.0f} samples/s, "
-          f"median dtrain {statistics.median(o for _, o in pairs):,.0f} samples/s, "
-          f"median ratio {statistics.median(ratios):.3f}")
+    print(
+        f"median plain {statistics.median(p for p, _ in pairs):,.0f} samples/s, "
+        f"median dtrain {statistics.median(o for _, o in pairs):,.0f} samples/s, "
+        f"median ratio {statistics.median(ratios):.3f}"
+    )
 
 
 if __name__ == "__main__":

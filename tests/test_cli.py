@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 from conftest import run_cli
+from distributed import free_port
 from torch.testing import assert_close
 
 pytestmark = pytest.mark.timeout(240)
@@ -131,21 +134,26 @@ engine.barrier()
 """
 
 
-def test_a_failing_rank_is_named_with_its_own_traceback(tmp_path: Path) -> None:
-    script = tmp_path / "fails.py"
-    script.write_text(FAILING_SCRIPT)
-    proc = run_cli(
+def run_on_two_ranks(tmp_path: Path, name: str, text: str) -> subprocess.CompletedProcess[str]:
+    """`dtrain run --strategy ddp --nproc 2` on a script holding `text`."""
+    script = tmp_path / name
+    script.write_text(text)
+    return run_cli(
         "run",
         "--strategy",
         "ddp",
         "--nproc",
         "2",
         "--timeout",
-        "60",
+        "30",
         str(script),
         cwd=tmp_path,
         timeout=120,
     )
+
+
+def test_a_failing_rank_is_named_with_its_own_traceback(tmp_path: Path) -> None:
+    proc = run_on_two_ranks(tmp_path, "fails.py", FAILING_SCRIPT)
     assert proc.returncode == 1
     assert "Rank 1 (local rank 1" in proc.stderr
     assert "exited with code 1" in proc.stderr
@@ -175,20 +183,51 @@ engine.barrier()
 
 
 def test_a_killed_rank_is_named_with_its_signal_and_nobody_hangs(tmp_path: Path) -> None:
-    script = tmp_path / "killed.py"
-    script.write_text(KILLED_SCRIPT)
-    proc = run_cli(
-        "run",
-        "--strategy",
-        "ddp",
-        "--nproc",
-        "2",
-        "--timeout",
-        "30",
-        str(script),
-        cwd=tmp_path,
-        timeout=120,
-    )
+    proc = run_on_two_ranks(tmp_path, "killed.py", KILLED_SCRIPT)
     assert proc.returncode == 1
     assert "Rank 1 (local rank 1" in proc.stderr
     assert "killed by signal SIGKILL" in proc.stderr
+
+
+def test_two_nodes_on_one_machine_train_as_one_job(tmp_path: Path) -> None:
+    master = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "nodes"
+    common = [
+        "demo",
+        "--strategy",
+        "ddp",
+        "--nnodes",
+        "2",
+        "--master",
+        master,
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--out",
+        str(out),
+    ]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "dtrain.cli", *common, "--node-rank", "1"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        node0 = run_cli(
+            *common,
+            "--node-rank",
+            "0",
+            "--metrics-json",
+            str(out / "m.json"),
+            cwd=tmp_path,
+            timeout=180,
+        )
+        _, node1_err = node1.communicate(timeout=60)
+    finally:
+        node1.kill()
+    assert node0.returncode == 0, node0.stderr[-2000:]
+    assert node1.returncode == 0, node1_err[-2000:]
+    metrics = json.loads((out / "m.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 1437 // 64

@@ -61,7 +61,7 @@ def test_non_finite_loss_stops_before_the_update() -> None:
     batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
     with pytest.raises(NonFiniteLossError, match="at step 1"):
         engine.train_step(batch, lambda out, y: out.sum() * float("nan"))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_a_batch_smaller_than_the_towers() -> None:
@@ -71,3 +71,12 @@ def test_a_batch_smaller_than_the_towers() -> None:
     batch = (torch.randn(2, 1, 8, 8), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ConfigError, match="cannot be split over 3 towers"):
         engine.train_step(batch, torch.nn.functional.cross_entropy)
+
+
+def test_sync_batchnorm_outside_ddp_or_on_cpu() -> None:
+    with pytest.raises(ConfigError, match="no effect under strategy 'towers'"):
+        dtrain.init(strategy="towers", sync_batchnorm=True)
+    engine = dtrain.init(strategy="ddp", sync_batchnorm=True, cpu=True)
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        engine.setup(torch.nn.BatchNorm1d(4))
+    engine.close()

@@ -47,6 +47,7 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
         options["strategy"] = strategy
     config = config.replace(**options)
     strategy_cls = lookup(config.strategy)
+    strategy_cls.check_options(config)
     topology = detect(config)
     if topology.world_size > 1 and not strategy_cls.multiprocess:
         raise ConfigError(

@@ -66,7 +66,9 @@ def check_devices(config: Config) -> None:
 
 def launch(config: Config, target: Target) -> None:
     """Run `target` under `config`; raise LaunchError naming the ranks that failed."""
-    lookup(config.strategy).check_launch(config)
+    strategy = lookup(config.strategy)
+    strategy.check_launch(config)
+    strategy.check_options(config)
     target.check()
     mask_devices(config.devices)
     check_devices(config)

@@ -35,6 +35,7 @@ class Strategy:
     aliases: ClassVar[tuple[str, ...]] = ()
     multiprocess: ClassVar[bool] = False
     summary: ClassVar[str] = ""
+    supports_sync_batchnorm: ClassVar[bool] = False
     order: ClassVar[int] = 100
     """Position in listings (`--help`, error messages): simplest strategies first."""
 
@@ -51,6 +52,15 @@ class Strategy:
                 f"Strategy '{cls.name}' runs in one process, but --nproc {config.nproc} "
                 f"--nnodes {config.nnodes} were given; drop --nproc/--nnodes, or use a "
                 "multi-process strategy such as --strategy ddp."
+            )
+
+    @classmethod
+    def check_options(cls, config: Config) -> None:
+        """Reject options this strategy cannot honour (called by `dtrain.init`)."""
+        if config.sync_batchnorm and not cls.supports_sync_batchnorm:
+            raise ConfigError(
+                f"--sync-batchnorm has no effect under strategy '{cls.name}'; drop it, or use "
+                "--strategy ddp on GPUs."
             )
 
     @property

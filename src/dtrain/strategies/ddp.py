@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtrain.errors import ConfigError
 from dtrain.strategies.base import Strategy, register
 
 
@@ -22,6 +23,7 @@ class DDP(Strategy):
 
     name = "ddp"
     multiprocess = True
+    supports_sync_batchnorm = True
     summary = "one process per device, all-reduce of gradients (PyTorch DDP)"
     order = 20
 
@@ -29,6 +31,11 @@ class DDP(Strategy):
         device = self.topology.device
         model = model.to(device)
         if self.config.sync_batchnorm:
+            if device.type != "cuda":
+                raise ConfigError(
+                    "--sync-batchnorm needs GPUs: PyTorch's SyncBatchNorm runs on CUDA only. "
+                    "Drop the flag on the CPU (each worker then keeps its own statistics)."
+                )
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self._module = model
         self.model = DistributedDataParallel(
