@@ -166,7 +166,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"dtrain demo: {args.model} on digits ({len(train_set)} train / {len(test_set)} test), "
         f"strategy {engine.strategy.name}, {engine.world_size} process(es), "
         f"global batch {args.global_batch_size} ({per_worker} per worker), "
-        f"lr {lr:g} ({args.lr_scaling} scaling from {args.lr:g} at batch {args.ref_batch_size})"
+        f"lr {lr:g}"
+        + (
+            f" ({args.lr_scaling} scaling from {args.lr:g} at batch {args.ref_batch_size})"
+            if args.lr_scaling != "none"
+            else ""
+        )
     )
     LOGGER.info("args %s", vars(args))
 

@@ -106,7 +106,7 @@ class Engine:
         """
         if self.model is not None:
             raise SetupError("engine.setup was called twice; call it once per Engine.")
-        self.model = self.strategy.setup(model)
+        self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
         if optimizer is not None:
             optimizer.register_step_post_hook(self._count_step)

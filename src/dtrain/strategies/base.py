@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
@@ -83,10 +84,16 @@ class Strategy:
         """How many equal parts one process's batch is further split into (towers)."""
         return 1
 
-    def setup(self, model: nn.Module) -> nn.Module:
-        """Place and wrap `model`; return the module the training loop calls."""
+    def setup(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
+        """Place and wrap `model`; return (module the loop calls, optimizer the loop steps).
+
+        `optimizer` was built on ``model.parameters()``; a strategy may return another
+        optimizer (a sharded one, or one rebuilt on new parameters) in its place.
+        """
         self.model = model.to(self.topology.device)
-        return self.model
+        return self.model, optimizer
 
     def unwrap(self) -> nn.Module:
         """The user's module, whose state_dict has canonical parameter names."""

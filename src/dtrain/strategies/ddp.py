@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError
 from dtrain.strategies.base import Strategy, register
@@ -27,7 +28,9 @@ class DDP(Strategy):
     summary = "one process per device, all-reduce of gradients (PyTorch DDP)"
     order = 20
 
-    def setup(self, model: nn.Module) -> nn.Module:
+    def setup(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
         device = self.topology.device
         model = model.to(device)
         if self.config.sync_batchnorm:
@@ -41,7 +44,7 @@ class DDP(Strategy):
         self.model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-        return self.model
+        return self.model, optimizer
 
     def unwrap(self) -> nn.Module:
         return self._module

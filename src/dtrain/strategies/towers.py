@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import parallel_apply
+from torch.optim import Optimizer
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
@@ -183,9 +184,11 @@ class Towers(Strategy):
     def micro_splits(self) -> int:
         return len(self.devices)
 
-    def setup(self, model: nn.Module) -> nn.Module:
+    def setup(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
         self.model = TowerReplicas(model, self.devices, self.param_device)
-        return self.model
+        return self.model, optimizer
 
     def unwrap(self) -> nn.Module:
         assert isinstance(self.model, TowerReplicas)
