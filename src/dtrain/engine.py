@@ -23,7 +23,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from dtrain import checkpoint, rng
-from dtrain.checkpoint.optimizer_state import load_by_name
 from dtrain.config import Config
 from dtrain.data import ShardedBatchSampler
 from dtrain.errors import CheckpointError, NonFiniteLossError, SetupError
@@ -309,7 +308,9 @@ class Engine:
             extra: more manifest fields (JSON values).
         """
         self._require_setup("engine.save")
+        tensors, optimizer_state = self.strategy.full_state(self.optimizer)
         if self.is_main:
+            assert tensors is not None
             trainer = {
                 "step": self.step,
                 "epoch": self.epoch if epoch is None else epoch,
@@ -322,10 +323,11 @@ class Engine:
                 "samples_in_epoch": self._samples_in_epoch,
                 "strategy": self.strategy.name,
                 "world_size": self.world_size,
+                "model_class": type(self.strategy.unwrap()).__name__,
                 "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
                 **(extra or {}),
             }
-            checkpoint.write(Path(path), self.strategy.unwrap(), self.optimizer, trainer, info)
+            checkpoint.write(Path(path), tensors, optimizer_state, trainer, info)
             LOGGER.info("saved checkpoint %s at step %d", path, self.step)
         self.barrier()
 
@@ -338,17 +340,19 @@ class Engine:
         self._require_setup("engine.load")
         path = Path(path)
         manifest = checkpoint.read_manifest(path)
-        skipped = checkpoint.load_model(self.strategy.unwrap(), checkpoint.read_model(path), strict)
-        if skipped:
-            LOGGER.warning("loaded %s partially; skipped %s", path, ", ".join(skipped))
+        optimizer_state = None
         if self.optimizer is not None:
-            saved = checkpoint.read_pt(path, "optimizer.pt")
-            if saved is None:
+            optimizer_state = checkpoint.read_pt(path, "optimizer.pt")
+            if optimizer_state is None:
                 raise CheckpointError(
                     f"{path} holds no optimizer state; set up the Engine without an optimizer "
                     "to load the model alone."
                 )
-            load_by_name(self.optimizer, self.strategy.unwrap(), saved)
+        skipped = self.strategy.load_full_state(
+            checkpoint.read_model(path), self.optimizer, optimizer_state, strict
+        )
+        if skipped:
+            LOGGER.warning("loaded %s partially; skipped %s", path, ", ".join(skipped))
         trainer = checkpoint.read_pt(path, "trainer.pt") or {}
         self.step = int(trainer.get("step", manifest["step"]))
         self.epoch = int(trainer.get("epoch", manifest["epoch"]))

@@ -22,7 +22,6 @@ from torch import nn
 
 from dtrain.checkpoint.atomic import atomic_directory, sha256_file
 from dtrain.checkpoint.names import canonical_name, canonical_state_dict
-from dtrain.checkpoint.optimizer_state import state_by_name
 from dtrain.errors import CheckpointError
 
 FORMAT = "dtrain.checkpoint/1"
@@ -44,8 +43,8 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def write(
     path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    tensors: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any] | None,
     trainer: dict[str, Any],
     info: dict[str, Any],
 ) -> None:
@@ -53,21 +52,19 @@ def write(
 
     Args:
         path: the checkpoint directory (replaced if it exists).
-        model: the unwrapped model holding the whole parameters.
-        optimizer: its optimizer, or None.
+        tensors: the whole model under canonical names, on the CPU (:func:`model_tensors`).
+        optimizer_state: name-keyed optimizer state (``optimizer_state.state_by_name``).
         trainer: data position and RNG state (tensors and plain values).
-        info: manifest fields: at least step, epoch, strategy, world_size.
+        info: manifest fields: at least step, epoch, strategy, world_size, model_class.
     """
-    tensors = model_tensors(model)
     with atomic_directory(Path(path)) as tmp:
         safetensors.torch.save_file(tensors, tmp / MODEL_FILE, metadata={"format": FORMAT})
-        if optimizer is not None:
-            torch.save(state_by_name(optimizer, model), tmp / OPTIMIZER_FILE)
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         torch.save(trainer, tmp / TRAINER_FILE)
         manifest = {
             "format": FORMAT,
             **info,
-            "model_class": type(model).__name__,
             "num_parameters": sum(t.numel() for t in tensors.values()),
             "tensors": {
                 k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
@@ -118,14 +115,14 @@ def read_pt(path: Path, name: str) -> Any:
     return torch.load(file, map_location="cpu", weights_only=True)
 
 
-def load_model(
-    model: nn.Module, tensors: dict[str, torch.Tensor], strict: bool = True
+def check_fit(
+    expected: dict[str, torch.Size], tensors: dict[str, torch.Tensor], strict: bool = True
 ) -> list[str]:
-    """Copy `tensors` into `model`; list what differs and stop unless strict=False.
+    """Compare checkpoint `tensors` with a model's `expected` shapes (canonical names).
 
-    Returns the names that were skipped (empty when everything matched).
+    Lists the missing, unexpected and wrongly shaped names and raises unless
+    strict=False; returns the names to skip (empty when everything matches).
     """
-    expected = {k: v.shape for k, v in canonical_state_dict(model.state_dict()).items()}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong_shape = sorted(
@@ -151,9 +148,23 @@ def load_model(
             f"The checkpoint does not fit this model ({detail}). Load it into the model that "
             "saved it, or pass strict=False to load only the matching tensors."
         )
-    skipped = missing + unexpected + [w.split(" ")[0] for w in wrong_shape]
-    usable = {k: v for k, v in tensors.items() if k in expected and k not in skipped}
-    _copy_into(model, usable)
+    return missing + unexpected + [w.split(" ")[0] for w in wrong_shape]
+
+
+def expected_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Canonical name -> global shape of every tensor in `model`'s state_dict."""
+    return {k: v.shape for k, v in canonical_state_dict(model.state_dict()).items()}  # type: ignore[union-attr]
+
+
+def load_model(
+    model: nn.Module, tensors: dict[str, torch.Tensor], strict: bool = True
+) -> list[str]:
+    """Copy `tensors` into a model that holds whole tensors (not sharded ones).
+
+    Returns the names that were skipped (see :func:`check_fit`).
+    """
+    skipped = check_fit(expected_shapes(model), tensors, strict)
+    _copy_into(model, {k: v for k, v in tensors.items() if k not in skipped})
     return skipped
 
 

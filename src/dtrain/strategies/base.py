@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from dtrain.checkpoint.format import load_model, model_tensors
+from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.topology import Topology
@@ -107,6 +109,36 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and make the gradients ready for the optimizer."""
         loss.backward()
+
+    def full_state(
+        self, optimizer: Optimizer | None
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """The whole model (canonical names, CPU) and name-keyed optimizer state.
+
+        Called on every rank (sharded strategies gather); returns the states on the main
+        rank and (None, None) elsewhere.
+        """
+        if not self.topology.is_main:
+            return None, None
+        module = self.unwrap()
+        return model_tensors(module), state_by_name(optimizer, module) if optimizer else None
+
+    def load_full_state(
+        self,
+        tensors: dict[str, torch.Tensor],
+        optimizer: Optimizer | None,
+        optimizer_state: dict[str, Any] | None,
+        strict: bool,
+    ) -> list[str]:
+        """Load whole tensors and name-keyed optimizer state (every rank passes them).
+
+        Returns the names skipped with strict=False.
+        """
+        module = self.unwrap()
+        skipped = load_model(module, tensors, strict)
+        if optimizer is not None and optimizer_state is not None:
+            load_by_name(optimizer, module, optimizer_state)
+        return skipped
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
