@@ -23,7 +23,8 @@ def train(
     close: bool = True,
     **options: Any,
 ) -> dict[str, torch.Tensor]:
-    """Train `steps` steps under `options` (given to dtrain.init); return the parameters.
+    """Train `steps` steps under `options` (given to dtrain.init); return the parameters
+    (on the main rank; None on the others).
 
     With `checkpoint_in`, first load that checkpoint (any strategy may have written it);
     with `checkpoint_out`, save one at the end. `close=False` keeps the process group for
@@ -47,7 +48,7 @@ def train(
         epoch += 1
     if checkpoint_out:
         engine.save(checkpoint_out)
-    params = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    params = engine.state_dict()
     del model, optimizer
     gc.collect()
     if close:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from dtrain.config import Config
 from dtrain.engine import Engine
 from dtrain.errors import (
@@ -54,6 +56,15 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
             f"Strategy '{strategy_cls.name}' runs in one process, but this job has "
             f"{topology.world_size} processes; launch it with --nproc 1, or choose a "
             "multi-process strategy such as ddp."
+        )
+    if (
+        config.precision == "bf16-mixed"
+        and topology.device.type == "cuda"
+        and not torch.cuda.is_bf16_supported()
+    ):
+        raise ConfigError(
+            "--precision bf16-mixed needs a GPU with bfloat16 support; "
+            f"{torch.cuda.get_device_name()} has none. Use --precision fp32."
         )
     seed_everything(config.seed)
     if strategy_cls.multiprocess:

@@ -25,6 +25,10 @@ def _device_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,3, got {text!r}") from None
 
 
+def _name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def add_topology_args(parser: argparse.ArgumentParser) -> None:
     """TOPOLOGY flags, generated from :class:`Config`'s fields and their help."""
     group = parser.add_argument_group("topology")
@@ -42,6 +46,8 @@ def add_topology_args(parser: argparse.ArgumentParser) -> None:
         )
         if f.name == "devices":
             convert = _device_list
+        if f.name == "blocks":
+            convert = _name_list
         help_text = f.metadata["help"]
         if f.name == "strategy":
             help_text += " One of: " + ", ".join(available()) + "."

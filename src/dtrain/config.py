@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from dtrain.errors import ConfigError
 
 ENV_VAR = "DTRAIN_CONFIG"
+PRECISIONS = ("fp32", "bf16-mixed")
 
 
 def option(default: object, help: str, flag: str | None = None) -> object:
@@ -40,6 +41,20 @@ class Config:
         1, "Micro-batches per optimizer step; gradients are synchronised once per step."
     )
     sync_batchnorm: bool = option(False, "Convert BatchNorm layers to SyncBatchNorm (ddp).")
+    precision: str = option(
+        "fp32", "fp32, or bf16-mixed (bf16 compute, fp32 master weights and reductions)."
+    )
+    cpu_offload: bool = option(
+        False, "Keep sharded parameters, gradients and optimizer state in host memory (zero3)."
+    )
+    blocks: list[str] | None = option(
+        None,
+        "Comma-separated class names of the model's repeated blocks to shard or split "
+        "(default: found automatically).",
+    )
+    memory_report: bool = option(
+        False, "Measure per-rank bytes of parameters, gradients and optimizer state."
+    )
     seed: int = 0
     """Seed of every RNG on every device, so replicas start equal (demo: --seed)."""
     timeout_s: float = option(
@@ -85,6 +100,10 @@ class Config:
                 raise ConfigError(f"--master must be HOST:PORT, got {self.master!r}.")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"Unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}."
+            )
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be positive, got {self.timeout_s}.")
 

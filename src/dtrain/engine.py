@@ -27,6 +27,7 @@ from dtrain.config import Config
 from dtrain.data import ShardedBatchSampler
 from dtrain.errors import CheckpointError, NonFiniteLossError, SetupError
 from dtrain.observe.logs import LOGGER, log_to_file
+from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput, track
 from dtrain.strategies import Strategy
 from dtrain.topology import Topology
@@ -53,6 +54,8 @@ class Engine:
         self._samples_per_step = 0
         self._resume_at: tuple[int, int] | None = None
         self._last_loss: float | None = None
+        self.memory: dict[str, int] | None = None
+        """Model-state bytes of this rank after its first step (with memory_report)."""
 
     # -- who am I -------------------------------------------------------------------------
     @property
@@ -229,11 +232,37 @@ class Engine:
         for i, (x, y) in enumerate(parts):
             sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
             with sync:
-                mean += self._backward(loss_fn(self.model(x), y) * (x.shape[0] / total))
+                with self.autocast():
+                    loss = loss_fn(self.model(x), y)
+                mean += self._backward(loss * (x.shape[0] / total))
+        measure = self.config.memory_report and self.memory is None
+        grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
         self.optimizer.step()
+        if measure:
+            self.memory = {
+                "parameters": parameter_bytes(self.strategy.unwrap()),
+                "gradients": grads,
+                "optimizer": optimizer_bytes(self.optimizer),
+            }
         self.optimizer.zero_grad(set_to_none=True)
         self._last_loss = mean
         return torch.tensor(mean)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """bf16 autocast for --precision bf16-mixed, unless the strategy applies it itself."""
+        if self.config.precision != "bf16-mixed" or self.strategy.handles_precision:
+            return contextlib.nullcontext()
+        return torch.autocast(self.topology.device.type, dtype=torch.bfloat16)
+
+    def memory_report(self) -> list[dict[str, int]]:
+        """Every rank's model-state bytes, measured at the first step (needs
+        ``memory_report=True``); collective."""
+        mine = dict(self.memory or {}, rank=self.rank)
+        if not dist.is_initialized():
+            return [mine]
+        everyone: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, mine)
+        return everyone
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and synchronise gradients as the strategy requires."""
@@ -270,7 +299,8 @@ class Engine:
         try:
             for batch in loader:
                 inputs, targets = self.to_device(batch)
-                outputs = model(inputs)
+                with self.autocast():
+                    outputs = model(inputs)
                 n = targets.shape[0]
                 if loss_fn is not None:
                     totals[0] += float(loss_fn(outputs, targets)) * n
@@ -297,6 +327,13 @@ class Engine:
         return result
 
     # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model under canonical names on the CPU, on the main rank (None on the
+        others). Collective: every rank must call it (sharded strategies gather)."""
+        self._require_setup("engine.state_dict")
+        tensors, _ = self.strategy.full_state(None)
+        return tensors
+
     def save(
         self, path: str | Path, epoch: int | None = None, extra: dict[str, Any] | None = None
     ) -> None:

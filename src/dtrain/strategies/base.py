@@ -39,6 +39,9 @@ class Strategy:
     multiprocess: ClassVar[bool] = False
     summary: ClassVar[str] = ""
     supports_sync_batchnorm: ClassVar[bool] = False
+    supports_cpu_offload: ClassVar[bool] = False
+    handles_precision: ClassVar[bool] = False
+    """True if the strategy applies --precision itself; otherwise the Engine autocasts."""
     order: ClassVar[int] = 100
     """Position in listings (`--help`, error messages): simplest strategies first."""
 
@@ -64,6 +67,11 @@ class Strategy:
             raise ConfigError(
                 f"--sync-batchnorm has no effect under strategy '{cls.name}'; drop it, or use "
                 "--strategy ddp on GPUs."
+            )
+        if config.cpu_offload and not cls.supports_cpu_offload:
+            raise ConfigError(
+                f"--cpu-offload works with --strategy zero3 only, not '{cls.name}'; drop it, "
+                "or shard everything with zero3."
             )
 
     @property

@@ -1,0 +1,131 @@
+"""`zero2` and `zero3` (alias `fsdp`): PyTorch FSDP2 `fully_shard` over a 1-D DeviceMesh.
+
+ZeRO (Rajbhandari et al., SC'20) stage 2 shards gradients and optimizer state; stage 3
+also shards the parameters, gathering each block's parameters just before its forward
+and backward and freeing them after. With FSDP2 the difference is one switch:
+`reshard_after_forward=False` keeps a block's gathered parameters from forward to
+backward (stage 2), True frees them after forward (stage 3, 1.5x the traffic of DDP).
+
+Per rank, fp32 Adam, psi parameters: stage 2 holds 4 psi + 12 psi / N between steps,
+stage 3 16 psi / N (plus the gathered parameters of the blocks in flight).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.optim import Optimizer
+
+from dtrain.checkpoint.format import check_fit, expected_shapes
+from dtrain.errors import ConfigError
+from dtrain.strategies.base import Strategy, register
+from dtrain.strategies.blocks import find_blocks
+from dtrain.strategies.rebuild import group_names, rebuild
+
+
+class FullyShardedBase(Strategy):
+    """Shared by zero2 and zero3: shard each block, then the root; rebuild the optimizer."""
+
+    multiprocess = True
+    reshard_after_forward: ClassVar[bool] = True
+    handles_precision = True
+
+    def setup(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError(
+                f"Strategy {self.name} shards parameters, but the model has none to train; "
+                "use --strategy single or ddp for a model without trainable parameters."
+            )
+        device = self.topology.device
+        names = group_names(optimizer, model) if optimizer is not None else []
+        model = model.to(device)
+        mesh = init_device_mesh(device.type, (self.topology.world_size,))
+        options: dict[str, Any] = {
+            "mesh": mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+        if self.config.precision == "bf16-mixed":
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+            )
+        if self.config.cpu_offload:
+            if device.type != "cuda":
+                raise ConfigError(
+                    "--cpu-offload moves sharded parameters, gradients and optimizer state "
+                    "from the GPUs to host memory; without GPUs there is nothing to offload. "
+                    "Drop the flag on the CPU."
+                )
+            options["offload_policy"] = CPUOffloadPolicy()
+        blocks = find_blocks(model, self.config.blocks)
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        # Explicit prefetching: gather the next block while this one computes.
+        for current, following in zip(blocks, blocks[1:], strict=False):
+            current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
+            following.set_modules_to_backward_prefetch([current])  # type: ignore[operator]
+        self.model = model
+        return model, rebuild(optimizer, names, model) if optimizer is not None else None
+
+    def full_state(
+        self, optimizer: Optimizer | None
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        assert self.model is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        tensors = get_model_state_dict(self.model, options=options)
+        optimizer_state = (
+            get_optimizer_state_dict(self.model, optimizer, options=options) if optimizer else None
+        )
+        if not self.topology.is_main:
+            return None, None
+        return {k: v.contiguous() for k, v in tensors.items()}, optimizer_state
+
+    def load_full_state(
+        self,
+        tensors: dict[str, torch.Tensor],
+        optimizer: Optimizer | None,
+        optimizer_state: dict[str, Any] | None,
+        strict: bool,
+    ) -> list[str]:
+        assert self.model is not None
+        skipped = check_fit(expected_shapes(self.model), tensors, strict)
+        usable = {k: v for k, v in tensors.items() if k not in skipped}
+        options = StateDictOptions(full_state_dict=True, strict=not skipped)
+        set_model_state_dict(self.model, usable, options=options)
+        if optimizer is not None and optimizer_state is not None:
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
+        return skipped
+
+
+@register
+class Zero2(FullyShardedBase):
+    """Gradients and optimizer state sharded; parameters stay gathered forward to backward."""
+
+    name = "zero2"
+    summary = "gradients + optimizer state sharded (FSDP2, no reshard after forward)"
+    order = 31
+    reshard_after_forward = False
+
+
+@register
+class Zero3(FullyShardedBase):
+    """Parameters, gradients and optimizer state sharded (fully sharded data parallel)."""
+
+    name = "zero3"
+    aliases = ("fsdp",)
+    summary = "parameters + gradients + optimizer state sharded (FSDP2)"
+    order = 32
+    supports_cpu_offload = True

@@ -1,0 +1,58 @@
+"""Rebuild a user's optimizer on other parameter objects, group by group, by name.
+
+FSDP2's `fully_shard` replaces a module's parameters with sharded DTensor parameters and
+`ZeroRedundancyOptimizer` takes the optimizer's class and hyperparameters rather than the
+optimizer; both need the user's optimizer restated over the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from dtrain.checkpoint.optimizer_state import parameter_names
+from dtrain.errors import ConfigError
+
+
+def group_names(optimizer: Optimizer, model: nn.Module) -> list[list[str]]:
+    """Canonical parameter names of each of `optimizer`'s groups, in order."""
+    names = parameter_names(model)
+    try:
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    except KeyError:
+        raise ConfigError(
+            "The optimizer holds a parameter that is not in the model; build it from "
+            "model.parameters() before engine.setup."
+        ) from None
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings without its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def rebuild(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> Optimizer:
+    """A new optimizer of `optimizer`'s class over `model`'s parameters called `names`.
+
+    Each group keeps its hyperparameters; the optimizer must have no state yet.
+    """
+    if optimizer.state:
+        raise ConfigError(
+            "The optimizer has already taken steps; call engine.setup before training, and "
+            "load a checkpoint with engine.load afterwards."
+        )
+    by_name = dict(model.named_parameters())
+    groups = [
+        {**hyperparameters(group), "params": [by_name[n] for n in group_names_]}
+        for group, group_names_ in zip(optimizer.param_groups, names, strict=True)
+    ]
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except TypeError as e:
+        raise ConfigError(
+            f"dtrain could not rebuild {type(optimizer).__name__} over the sharded parameters "
+            f"({e}); use a torch.optim optimizer whose constructor takes its defaults as "
+            "keyword arguments."
+        ) from None

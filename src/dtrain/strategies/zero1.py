@@ -1,0 +1,53 @@
+"""`zero1`: DDP plus PyTorch's ZeroRedundancyOptimizer (ZeRO stage 1, Rajbhandari et al.
+SC'20): each rank keeps the optimizer state of 1/N of the parameters, updates that part
+and broadcasts it; gradients are all-reduced by DDP as usual.
+
+Model-state memory per rank (fp32 Adam, psi parameters): 4 psi parameters + 4 psi
+gradients + 8 psi / N optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim import Optimizer
+
+from dtrain.errors import SetupError
+from dtrain.strategies.base import register
+from dtrain.strategies.ddp import DDP
+from dtrain.strategies.rebuild import hyperparameters
+
+
+@register
+class Zero1(DDP):
+    """Optimizer state sharded over the data-parallel ranks."""
+
+    name = "zero1"
+    summary = "ddp + optimizer state sharded (ZeroRedundancyOptimizer)"
+    order = 30
+
+    def setup(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
+        if optimizer is None:
+            raise SetupError("Strategy zero1 shards the optimizer; pass one to engine.setup.")
+        if optimizer.state:
+            raise SetupError("Call engine.setup before the optimizer takes its first step.")
+        wrapped, _ = super().setup(model, None)
+        first, *rest = optimizer.param_groups
+        sharded = ZeroRedundancyOptimizer(
+            first["params"], optimizer_class=type(optimizer), **hyperparameters(first)
+        )
+        for group in rest:
+            sharded.add_param_group(group)
+        return wrapped, sharded
+
+    def full_state(
+        self, optimizer: Optimizer | None
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
+        return super().full_state(optimizer)
