@@ -1,5 +1,6 @@
-"""A small real job (digits, a tiny MLP, SGD with momentum) run identically under any
-strategy, so tests can compare parameters after K steps with the single-process result."""
+"""Small real jobs run identically under any strategy, so tests can compare parameters
+after K steps with the single-process result: the digits with a tiny MLP and SGD with
+momentum ("mlp"), and byte-level text with the tiny GPT and AdamW ("gpt")."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import dtrain
-from dtrain.datasets import load_digits
+from dtrain.datasets import load_digits, load_text
 from dtrain.models.digits import DigitsMLP
+from dtrain.models.gpt import GPT, SIZES, lm_loss
 
 GLOBAL_BATCH = 12  # divides over 1, 2, 3 workers, 2 or 3 towers, 2 micro-batches
 
@@ -21,6 +23,7 @@ def train(
     checkpoint_in: str | None = None,
     checkpoint_out: str | None = None,
     close: bool = True,
+    model_name: str = "mlp",
     **options: Any,
 ) -> dict[str, torch.Tensor]:
     """Train `steps` steps under `options` (given to dtrain.init); return the parameters
@@ -31,18 +34,25 @@ def train(
     another run in the same processes.
     """
     engine = dtrain.init(seed=0, **options)
-    model = DigitsMLP(hidden=32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if model_name == "gpt":
+        model: torch.nn.Module = GPT(SIZES["tiny"])
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        train_set, _ = load_text(context=model.config.context)
+        loss_fn = lm_loss
+    else:
+        model = DigitsMLP(hidden=32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        train_set, _ = load_digits()
+        loss_fn = F.cross_entropy
     model, optimizer = engine.setup(model, optimizer)
     if checkpoint_in:
         engine.load(checkpoint_in)
-    train_set, _ = load_digits()
     loader = engine.dataloader(train_set, batch_size=GLOBAL_BATCH // engine.dp_size)
     epoch = engine.epoch
     target = engine.step + steps
     while engine.step < target:
         for batch in engine.progress(loader, epoch=epoch):
-            engine.train_step(batch, F.cross_entropy)
+            engine.train_step(batch, loss_fn)
             if engine.step == target:
                 break
         epoch += 1

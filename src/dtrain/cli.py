@@ -108,6 +108,7 @@ def _check_demo_batch(config: Config, args: argparse.Namespace) -> None:
     strategy = lookup(config.strategy)
     dp_size = config.nproc * config.nnodes if strategy.multiprocess else 1
     towers = len(tower_devices(config)[0]) if strategy.name == "towers" else 1
+    demo.with_task_defaults(args)
     demo.check_batch(args.global_batch_size, dp_size, towers, config.grad_accumulation)
 
 

@@ -1,4 +1,5 @@
-"""`dtrain demo`: train a bundled classifier on scikit-learn's handwritten digits.
+"""`dtrain demo`: train a bundled model on real data that ships with scikit-learn: a
+classifier on the handwritten digits, or a GPT on English text (see `dtrain.tasks`).
 
 Runs as an ordinary dtrain user script (``python -m dtrain.demo`` under the launcher),
 so it exercises exactly the path a user's own script takes.
@@ -13,17 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 import dtrain
 from dtrain import checkpoint
-from dtrain.datasets import load_digits
 from dtrain.errors import ConfigError
 from dtrain.lr import RULES, LRSchedule, scale_lr
 from dtrain.models import MODELS, build
+from dtrain.models.gpt import SIZES
 from dtrain.observe.logs import LOGGER
-from dtrain.observe.metrics import format_table, write_metrics
+from dtrain.observe.metrics import format_memory, format_table, write_metrics
+from dtrain.tasks import OPTIMIZERS, TASKS, make_optimizer
 
 KEEP_CHECKPOINTS = 3
 
@@ -31,8 +30,14 @@ KEEP_CHECKPOINTS = 3
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     """The TRAINING flags of `dtrain demo` (DESIGN.md's contract)."""
     g = parser.add_argument_group("training")
-    g.add_argument("--model", default="cnn", choices=sorted(MODELS), help="Bundled model.")
-    g.add_argument("--epochs", type=int, default=12, help="Passes over the training set.")
+    g.add_argument("--model", default="cnn", choices=MODELS, help="Bundled model.")
+    g.add_argument("--model-size", default=None, choices=sorted(SIZES), help="Size of --model gpt.")
+    g.add_argument(
+        "--epochs", type=int, default=None, help="Passes over the training set (cnn/mlp 12, gpt 4)."
+    )
+    g.add_argument(
+        "--optimizer", default=None, choices=OPTIMIZERS, help="Default: sgd (cnn/mlp), adamw (gpt)."
+    )
     g.add_argument(
         "--steps",
         type=int,
@@ -43,14 +48,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--global-batch-size",
         type=int,
-        default=64,
-        help="Samples per step over all data-parallel workers; must divide evenly.",
+        default=None,
+        help="Samples per step over all data-parallel workers; must divide evenly "
+        "(cnn/mlp 64, gpt 32).",
     )
     g.add_argument(
         "--lr",
         type=float,
-        default=0.1,
-        help="Learning rate at the reference batch (--ref-batch-size).",
+        default=None,
+        help="Learning rate at the reference batch (cnn/mlp 0.1, gpt 0.003).",
     )
     g.add_argument(
         "--lr-scaling",
@@ -59,7 +65,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         help="Scale --lr from the reference batch to the global batch.",
     )
     g.add_argument(
-        "--ref-batch-size", type=int, default=64, help="Batch size at which --lr was tuned."
+        "--ref-batch-size",
+        type=int,
+        default=None,
+        help="Batch size at which --lr was tuned (default: the model's default batch).",
     )
     g.add_argument(
         "--warmup-epochs",
@@ -91,14 +100,28 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse the demo's command line; TOPOLOGY flags are accepted and left to the launcher,
-    which has already put them into the environment that `dtrain.init` reads."""
+    """Parse the demo's command line and fill the model's defaults.
+
+    TOPOLOGY flags are accepted and left to the launcher, which has already put them into
+    the environment that `dtrain.init` reads.
+    """
     from dtrain.cli import add_topology_args
 
     parser = argparse.ArgumentParser(prog="dtrain demo")
     add_topology_args(parser)
     add_training_args(parser)
-    return parser.parse_args(argv)
+    return with_task_defaults(parser.parse_args(argv))
+
+
+def with_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the training flags left unset with the defaults of the model's task."""
+    task = TASKS[args.model]
+    for flag in ("epochs", "global_batch_size", "lr", "optimizer"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, getattr(task, flag))
+    if args.ref_batch_size is None:
+        args.ref_batch_size = task.global_batch_size
+    return args
 
 
 def check_batch(global_batch: int, dp_size: int, towers: int, grad_accumulation: int) -> int:
@@ -139,10 +162,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         engine.config.grad_accumulation,
     )
 
-    train_set, test_set = load_digits()
-    model = build(args.model)
+    task = TASKS[args.model]
+    model = build(args.model, args.model_size)
+    train_set, test_set = task.data(model)
     lr = scale_lr(args.lr, args.global_batch_size, args.ref_batch_size, args.lr_scaling)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer = make_optimizer(args.optimizer, model, lr)
     model, optimizer = engine.setup(model, optimizer)
     loader = engine.dataloader(train_set, batch_size=per_worker)
     test_loader = engine.dataloader(
@@ -163,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         resume_from(engine, ckpt_root)
     max_steps = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     engine.print(
-        f"dtrain demo: {args.model} on digits ({len(train_set)} train / {len(test_set)} test), "
+        f"dtrain demo: {args.model} on {task.description} "
+        f"({len(train_set)} train / {len(test_set)} test samples), "
         f"strategy {engine.strategy.name}, {engine.world_size} process(es), "
         f"global batch {args.global_batch_size} ({per_worker} per worker), "
         f"lr {lr:g}"
@@ -182,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         epoch_start_step = engine.step
         for batch in engine.progress(loader, epoch=epoch):
             schedule.apply(optimizer, engine.step)
-            last_loss = engine.train_step(batch, F.cross_entropy).item()
+            last_loss = engine.train_step(batch, task.loss).item()
             if args.checkpoint_every and engine.step % args.checkpoint_every == 0:
                 save(engine, ckpt_root)
             if engine.step >= max_steps:
@@ -194,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         LOGGER.info("epoch %d done at step %d, loss %.4f", epoch, engine.step, last_loss)
 
     save(engine, ckpt_root)  # the final model is always on disk
-    result = engine.evaluate(test_loader, F.cross_entropy)
+    result = engine.evaluate(test_loader, task.loss)
     metrics: dict[str, object] = {
         "strategy": engine.strategy.name,
         "world_size": engine.world_size,
@@ -203,13 +228,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "global_batch_size": args.global_batch_size,
         "learning_rate": lr,
         "train_loss": none_if_nan(engine.all_reduce_mean(last_loss)),
-        "test_loss": result.get("loss"),
-        "test_accuracy": result.get("accuracy"),
+        **task.report(result),
         "samples_per_second": engine.throughput.samples_per_second,
         "wall_seconds": time.perf_counter() - wall_start,
     }
+    if engine.config.memory_report:
+        metrics["memory"] = engine.memory_report()
     if engine.is_main:
-        print(format_table([(k, v) for k, v in metrics.items() if v is not None]), flush=True)
+        rows = [(k, v) for k, v in metrics.items() if v is not None and k != "memory"]
+        print(format_table(rows), flush=True)
+        if engine.config.memory_report:
+            print(format_memory(metrics["memory"]), flush=True)
         if args.metrics_json:
             write_metrics(args.metrics_json, metrics)
     LOGGER.info("metrics %s", metrics)

@@ -173,24 +173,31 @@ def format_failures(failures: dict[int, ProcessFailure]) -> str:
     """
     stopped = [r for r, f in failures.items() if f.exitcode == -signal.SIGTERM]
     causes = {r: f for r, f in failures.items() if r not in stopped} or failures
-    parts = []
+    reports: dict[tuple[str, str], list[int]] = {}
     for rank, failure in sorted(causes.items()):
-        who = f"Rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
         data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
         ours = data.get("dtrain")
         if failure.exitcode < 0:
-            head = f"{who} was killed by signal {failure.signal_name()}"
+            how = f"was killed by signal {failure.signal_name()}"
             detail = (
                 "It raised no Python exception: it was killed from outside or ran out of "
                 "memory; check the machine's logs (dmesg) and its memory use."
             )
         else:
-            head = f"{who} exited with code {failure.exitcode}"
+            how = f"exited with code {failure.exitcode}"
             if ours:
                 detail = ours["message"] if ours["user_error"] else ours["traceback"].rstrip()
             else:
                 detail = "It left no traceback; its own output above shows why it stopped."
-        parts.append(f"{head}:\n{detail}")
+        reports.setdefault((how, detail), []).append(rank)
+    parts = []
+    for (how, detail), ranks in reports.items():
+        if len(ranks) == 1:
+            failure = causes[ranks[0]]
+            who = f"Rank {ranks[0]} (local rank {failure.local_rank}, pid {failure.pid})"
+        else:
+            who = f"Ranks {', '.join(map(str, ranks))}"
+        parts.append(f"{who} {how}:\n{detail}")
     others = sorted(set(stopped) - set(causes))
     if others:
         parts.append(

@@ -33,3 +33,17 @@ def format_table(rows: list[tuple[str, Any]]) -> str:
     rule = f"+{'-' * (left + 2)}+{'-' * (right + 2)}+"
     lines = [rule] + [f"| {n:<{left}} | {v:>{right}} |" for n, v in shown] + [rule]
     return "\n".join(lines)
+
+
+def format_memory(per_rank: list[dict[str, int]]) -> str:
+    """Per-rank model-state memory (MiB) as a small table."""
+    mib = 2**20
+    header = f"{'rank':>4} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'total MiB':>10}"
+    lines = [header]
+    for row in per_rank:
+        parts = [row.get(k, 0) / mib for k in ("parameters", "gradients", "optimizer")]
+        lines.append(
+            f"{row['rank']:>4} {parts[0]:>11.3f} {parts[1]:>10.3f} {parts[2]:>10.3f} "
+            f"{sum(parts):>10.3f}"
+        )
+    return "\n".join(lines)

@@ -7,6 +7,7 @@ optimizer; both need the user's optimizer restated over the same names.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -33,6 +34,16 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def constructor_kwargs(optimizer_class: type[Optimizer], group: dict[str, Any]) -> dict[str, Any]:
+    """The settings of `group` that `optimizer_class`'s constructor accepts by name.
+
+    Param groups may carry keys the constructor does not take (AdamW's group holds
+    ``decoupled_weight_decay``, which its constructor sets itself).
+    """
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    return {k: v for k, v in hyperparameters(group).items() if k in accepted}
+
+
 def rebuild(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> Optimizer:
     """A new optimizer of `optimizer`'s class over `model`'s parameters called `names`.
 
@@ -49,10 +60,13 @@ def rebuild(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> O
         for group, group_names_ in zip(optimizer.param_groups, names, strict=True)
     ]
     try:
-        return type(optimizer)(groups, **optimizer.defaults)
+        # Each group carries every hyperparameter, so the defaults are not needed to build.
+        new = type(optimizer)(groups)
     except TypeError as e:
         raise ConfigError(
             f"dtrain could not rebuild {type(optimizer).__name__} over the sharded parameters "
-            f"({e}); use a torch.optim optimizer whose constructor takes its defaults as "
-            "keyword arguments."
+            f"({e}); use an optimizer whose constructor takes (params) with every "
+            "hyperparameter defaulted, as torch.optim's do."
         ) from None
+    new.defaults.update(optimizer.defaults)
+    return new

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from dtrain.errors import SetupError
 from dtrain.strategies.base import register
 from dtrain.strategies.ddp import DDP
-from dtrain.strategies.rebuild import hyperparameters
+from dtrain.strategies.rebuild import constructor_kwargs
 
 
 @register
@@ -39,7 +39,9 @@ class Zero1(DDP):
         wrapped, _ = super().setup(model, None)
         first, *rest = optimizer.param_groups
         sharded = ZeroRedundancyOptimizer(
-            first["params"], optimizer_class=type(optimizer), **hyperparameters(first)
+            first["params"],
+            optimizer_class=type(optimizer),
+            **constructor_kwargs(type(optimizer), first),
         )
         for group in rest:
             sharded.add_param_group(group)

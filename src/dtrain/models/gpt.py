@@ -1,0 +1,126 @@
+"""A decoder-only transformer language model (GPT-2 style, Radford et al. 2019).
+
+Pre-norm blocks of causal multi-head self-attention and a GELU MLP, learned positional
+embeddings, an untied output head; no dropout, so runs are comparable across strategies.
+Its repeated `blocks` are what sharding, pipeline and tensor parallelism split. Attention
+reshapes by head size, not head count, so it also runs on a column-sharded slice of the
+heads (tensor parallelism).
+
+Input: token ids (N, T) with T <= context; output: logits (N, T, vocab).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a GPT."""
+
+    vocab_size: int = 256
+    context: int = 64
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.dim // self.heads
+
+
+SIZES: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(dim=64, layers=2, heads=4),
+    "small": GPTConfig(dim=128, layers=4, heads=4),
+    "medium": GPTConfig(dim=384, layers=6, heads=6, context=128),
+    "100m": GPTConfig(dim=768, layers=12, heads=12, context=256),
+}
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q, k, v projections."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.dim % config.heads:
+            raise ValueError(f"dim {config.dim} is not divisible by {config.heads} heads")
+        self.head_dim = config.head_dim
+        self.q = nn.Linear(config.dim, config.dim)
+        # No key bias: it adds the same q.b to every score of a query, which softmax
+        # ignores, so its gradient is zero up to rounding (noise that Adam would amplify).
+        self.k = nn.Linear(config.dim, config.dim, bias=False)
+        self.v = nn.Linear(config.dim, config.dim)
+        self.out = nn.Linear(config.dim, config.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, T, dim) -> (N, T, dim)."""
+        n, t, _ = x.shape
+
+        def heads(proj: nn.Linear) -> torch.Tensor:
+            return proj(x).view(n, t, -1, self.head_dim).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(
+            heads(self.q), heads(self.k), heads(self.v), is_causal=True
+        )
+        return self.out(y.transpose(1, 2).reshape(n, t, -1))
+
+
+class MLP(nn.Module):
+    """dim -> 4 dim -> dim with GELU."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.dim, 4 * config.dim)
+        self.down = nn.Linear(4 * config.dim, config.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, T, dim) -> (N, T, dim)."""
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.dim)
+        self.attn = Attention(config)
+        self.ln2 = nn.LayerNorm(config.dim)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, T, dim) -> (N, T, dim)."""
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, `layers` blocks, final LayerNorm, output head."""
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or GPTConfig()
+        c = self.config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.dim)
+        self.pos_emb = nn.Embedding(c.context, c.dim)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.dim)
+        self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(N, T) token ids -> (N, T, vocab) logits."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits (N, T, V), targets (N, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -1,0 +1,62 @@
+"""The demo's training tasks: which data, loss and default settings go with each model.
+
+* ``cnn``, ``mlp``: classify scikit-learn's handwritten digits (8x8 images, 10 classes);
+  SGD with momentum; reported as test accuracy.
+* ``gpt``: byte-level language modelling of the English text that ships with
+  scikit-learn; AdamW; reported as test loss and perplexity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from dtrain.datasets import load_digits, load_text
+from dtrain.models.gpt import GPT, lm_loss
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A model family's data, loss and default hyperparameters."""
+
+    description: str
+    loss: LossFn
+    epochs: int
+    global_batch_size: int
+    lr: float
+    optimizer: str
+    classifier: bool
+
+    def data(self, model: nn.Module) -> tuple[Dataset, Dataset]:
+        """(train, test) data sets fitting `model`."""
+        if isinstance(model, GPT):
+            return load_text(context=model.config.context)
+        return load_digits()
+
+    def report(self, result: dict[str, float]) -> dict[str, float | None]:
+        """Metrics JSON fields from `engine.evaluate`'s result."""
+        loss = result.get("loss")
+        if self.classifier:
+            return {"test_loss": loss, "test_accuracy": result.get("accuracy")}
+        return {"test_loss": loss, "test_perplexity": math.exp(loss) if loss is not None else None}
+
+
+DIGITS = Task("digits", F.cross_entropy, 12, 64, 0.1, "sgd", classifier=True)
+TEXT = Task("text", lm_loss, 4, 32, 3e-3, "adamw", classifier=False)
+TASKS = {"cnn": DIGITS, "mlp": DIGITS, "gpt": TEXT}
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, or AdamW (weight decay 0.01), over `model`'s parameters."""
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
