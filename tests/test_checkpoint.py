@@ -104,3 +104,34 @@ def test_a_failed_write_leaves_the_previous_checkpoint(
     assert (target / "manifest.json").read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     engine.close()
+
+
+@pytest.mark.timeout(240)
+def test_zero3_checkpoint_resumes_under_single_and_zero2_at_another_world_size(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "zero3-step5")
+    gpt = {"model_name": "gpt"}
+    run_ranks(functools.partial(train, steps=5, checkpoint_out=path, strategy="zero3", **gpt), 2)
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    assert (manifest["strategy"], manifest["world_size"], manifest["optimizer"]) == (
+        "zero3",
+        2,
+        "AdamW",
+    )
+    uninterrupted = train(steps=10, strategy="single", **gpt)
+    assert_close(train(steps=5, checkpoint_in=path, strategy="single", **gpt), uninterrupted)
+    resumed = run_ranks(
+        functools.partial(train, steps=5, checkpoint_in=path, strategy="zero2", **gpt), 3
+    )[0]
+    assert_close(resumed, uninterrupted)
+
+
+@pytest.mark.timeout(180)
+def test_zero1_checkpoint_gathers_the_sharded_optimizer_state(tmp_path: Path) -> None:
+    path = str(tmp_path / "zero1-step5")
+    run_ranks(functools.partial(train, steps=5, checkpoint_out=path, strategy="zero1"), 2)
+    state = torch.load(Path(path) / "optimizer.pt", weights_only=True)["state"]
+    assert set(state) == {n for n, _ in DigitsMLP(hidden=32).named_parameters()}
+    uninterrupted = train(steps=10, strategy="single")
+    assert_close(train(steps=5, checkpoint_in=path, strategy="single"), uninterrupted)

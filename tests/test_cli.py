@@ -13,6 +13,8 @@ from conftest import run_cli
 from distributed import free_port
 from torch.testing import assert_close
 
+from dtrain.models import build
+
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -231,3 +233,30 @@ def test_two_nodes_on_one_machine_train_as_one_job(tmp_path: Path) -> None:
     assert node1.returncode == 0, node1_err[-2000:]
     metrics = json.loads((out / "m.json").read_text())
     assert metrics["world_size"] == 2 and metrics["steps"] == 1437 // 64
+
+
+def test_bf16_mixed_trains_the_digits_under_zero2(tmp_path: Path) -> None:
+    metrics = demo(tmp_path, "--strategy", "zero2", "--nproc", "2", "--precision", "bf16-mixed")
+    assert metrics["test_accuracy"] >= 0.95
+
+
+def test_gpt_trains_under_zero3_and_reports_memory(tmp_path: Path) -> None:
+    metrics = demo(
+        tmp_path,
+        "--model",
+        "gpt",
+        "--strategy",
+        "zero3",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--memory-report",
+    )
+    assert metrics["test_perplexity"] < 40  # a uniform guess over bytes scores 256
+    params = sum(p.numel() for p in build("gpt").parameters())
+    memory = metrics["memory"]
+    assert [row["rank"] for row in memory] == [0, 1]
+    for row in memory:  # ZeRO-3, fp32 AdamW: 16 bytes per parameter over 2 ranks
+        total = row["parameters"] + row["gradients"] + row["optimizer"]
+        assert abs(total - 16 * params / 2) / (16 * params / 2) < 0.02

@@ -80,3 +80,24 @@ def test_sync_batchnorm_outside_ddp_or_on_cpu() -> None:
     with pytest.raises(ConfigError, match="needs GPUs"):
         engine.setup(torch.nn.BatchNorm1d(4))
     engine.close()
+
+
+def test_cpu_offload_needs_zero3_and_gpus() -> None:
+    with pytest.raises(ConfigError, match="--cpu-offload works with --strategy zero3 only"):
+        dtrain.init(strategy="ddp", cpu_offload=True)
+    engine = dtrain.init(strategy="zero3", cpu_offload=True, cpu=True)
+    with pytest.raises(ConfigError, match="nothing to offload"):
+        engine.setup(DigitsMLP(hidden=4))
+    engine.close()
+
+
+def test_a_model_without_parameters_cannot_be_sharded() -> None:
+    engine = dtrain.init(strategy="zero3")
+    with pytest.raises(ConfigError, match="has none to train"):
+        engine.setup(torch.nn.ReLU())
+    engine.close()
+
+
+def test_unknown_precision() -> None:
+    with pytest.raises(ConfigError, match="Unknown --precision 'fp8'"):
+        dtrain.init(strategy="single", precision="fp8")
