@@ -11,14 +11,11 @@ dtrain / plain (goal: >= 0.98, no measurable overhead).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-import uuid
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from harness import alternate, launch, report, timed
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -32,19 +29,6 @@ def make_data(samples: int) -> TensorDataset:
     images = torch.rand(samples, 1, 8, 8, generator=generator)
     labels = torch.randint(0, 10, (samples,), generator=generator)
     return TensorDataset(images, labels)
-
-
-def timed(batches, step, warmup: int, steps: int) -> float:
-    """Seconds for `steps` calls of step(batch) after `warmup` untimed ones."""
-    it = iter(batches)
-    for _ in range(warmup):
-        step(next(it))
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(next(it))
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def plain_run(args: argparse.Namespace, data: TensorDataset) -> float:
@@ -88,14 +72,8 @@ def worker(args: argparse.Namespace) -> list[tuple[float, float]]:
     """Alternate plain and dtrain runs; return (plain, dtrain) samples/s per repeat."""
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
-    samples = (args.warmup + args.steps + 1) * args.global_batch_size
-    data = make_data(samples)
-    pairs = []
-    for repeat in range(args.repeats):
-        order = (plain_run, dtrain_run) if repeat % 2 == 0 else (dtrain_run, plain_run)
-        result = {fn.__name__: fn(args, data) for fn in order}
-        pairs.append((result["plain_run"], result["dtrain_run"]))
-    return pairs
+    data = make_data((args.warmup + args.steps + 1) * args.global_batch_size)
+    return alternate(args.repeats, lambda: plain_run(args, data), lambda: dtrain_run(args, data))
 
 
 def main() -> None:
@@ -108,29 +86,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        run_id=uuid.uuid4().hex,
-        max_restarts=0,
-        start_method="spawn",
-    )
-    pairs = elastic_launch(config, worker)(args)[0]
-    print(
+    pairs = launch(args.nproc, worker, args)
+    report(
         f"model {args.model}, world size {args.nproc}, global batch {args.global_batch_size}, "
-        f"{args.steps} steps per run, {args.repeats} repeats"
-    )
-    print(f"{'repeat':>6} {'plain samples/s':>16} {'dtrain samples/s':>17} {'ratio':>7}")
-    for i, (plain, ours) in enumerate(pairs):
-        print(f"{i:>6} {plain:>16,.0f} {ours:>17,.0f} {ours / plain:>7.3f}")
-    ratios = [ours / plain for plain, ours in pairs]
-    print(
-        f"median plain {statistics.median(p for p, _ in pairs):,.0f} samples/s, "
-        f"median dtrain {statistics.median(o for _, o in pairs):,.0f} samples/s, "
-        f"median ratio {statistics.median(ratios):.3f}"
+        f"{args.steps} steps per run, {args.repeats} repeats (peer: plain PyTorch DDP)",
+        pairs,
     )
 
 

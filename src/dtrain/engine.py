@@ -228,19 +228,23 @@ class Engine:
             )
         assert self.model is not None
         mean = 0.0
+        measure = self.config.memory_report and self.memory is None
+        held_in_step = 0
         parts = zip(torch.tensor_split(inputs, k), torch.tensor_split(targets, k), strict=True)
         for i, (x, y) in enumerate(parts):
             sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
             with sync:
                 with self.autocast():
                     loss = loss_fn(self.model(x), y)
+                if measure:  # parameters held between forward and backward
+                    held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
                 mean += self._backward(loss * (x.shape[0] / total))
-        measure = self.config.memory_report and self.memory is None
         grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
         self.optimizer.step()
         if measure:
             self.memory = {
                 "parameters": parameter_bytes(self.strategy.unwrap()),
+                "parameters_in_step": held_in_step,
                 "gradients": grads,
                 "optimizer": optimizer_bytes(self.optimizer),
             }

@@ -1,5 +1,8 @@
 """Model-state memory per rank: bytes of parameters, gradients and optimizer state.
 
+Parameters are counted twice: between steps, and from forward to backward (when FSDP2
+holds gathered parameters: all of them under zero2, the blocks in flight under zero3).
+
 Counts what this rank holds: the local shard of a sharded (DTensor) tensor, the local
 partition of a ZeroRedundancyOptimizer. Compare with the ZeRO paper's per-device model
 states (fp32 Adam, psi parameters, N ranks): DDP 16 psi; stage 1 8 psi + 8 psi/N;

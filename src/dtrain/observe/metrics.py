@@ -36,14 +36,15 @@ def format_table(rows: list[tuple[str, Any]]) -> str:
 
 
 def format_memory(per_rank: list[dict[str, int]]) -> str:
-    """Per-rank model-state memory (MiB) as a small table."""
+    """Per-rank model-state memory (MiB) as a small table.
+
+    "params" are held between steps; "in step" are held from forward to backward (the
+    gathered parameters of zero2, and of zero3's blocks in flight).
+    """
     mib = 2**20
-    header = f"{'rank':>4} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'total MiB':>10}"
-    lines = [header]
+    keys = ("parameters", "parameters_in_step", "gradients", "optimizer")
+    lines = [f"{'rank':>4} {'params':>9} {'in step':>9} {'grads':>9} {'optim':>9}  (MiB)"]
     for row in per_rank:
-        parts = [row.get(k, 0) / mib for k in ("parameters", "gradients", "optimizer")]
-        lines.append(
-            f"{row['rank']:>4} {parts[0]:>11.3f} {parts[1]:>10.3f} {parts[2]:>10.3f} "
-            f"{sum(parts):>10.3f}"
-        )
+        values = " ".join(f"{row.get(k, 0) / mib:>9.3f}" for k in keys)
+        lines.append(f"{row['rank']:>4} {values}")
     return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Shared by the benchmarks: launch workers, time steps, alternate dtrain and its peer.
+
+The peer is the plain-PyTorch loop a user would write by hand. Both run in the same
+processes, alternating which goes first, so drifts of a noisy machine hit both; the
+figure to read is the median of the per-repeat ratios dtrain / peer.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+def launch(nproc: int, worker: Callable[..., Any], *args: Any) -> Any:
+    """Run worker(*args) on `nproc` local processes; return rank 0's result."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id=uuid.uuid4().hex,
+        max_restarts=0,
+        start_method="spawn",
+    )
+    return elastic_launch(config, worker)(*args)[0]
+
+
+def timed(batches: Iterable[Any], step: Callable[[Any], Any], warmup: int, steps: int) -> float:
+    """Seconds for `steps` calls of step(batch) after `warmup` untimed ones (all ranks)."""
+    it = iter(batches)
+    for _ in range(warmup):
+        step(next(it))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(next(it))
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def alternate(
+    repeats: int, peer: Callable[[], float], ours: Callable[[], float]
+) -> list[tuple[float, float]]:
+    """(peer, ours) results of `repeats` rounds, the first runner alternating each round."""
+    pairs = []
+    for repeat in range(repeats):
+        if repeat % 2 == 0:
+            a = peer()
+            b = ours()
+        else:
+            b = ours()
+            a = peer()
+        pairs.append((a, b))
+    return pairs
+
+
+def report(title: str, pairs: list[tuple[float, float]], unit: str = "samples/s") -> float:
+    """Print each repeat and the medians; return the median ratio ours / peer."""
+    print(title)
+    print(f"{'repeat':>6} {'peer ' + unit:>18} {'dtrain ' + unit:>18} {'ratio':>7}")
+    for i, (peer, ours) in enumerate(pairs):
+        print(f"{i:>6} {peer:>18,.1f} {ours:>18,.1f} {ours / peer:>7.3f}")
+    ratio = statistics.median(ours / peer for peer, ours in pairs)
+    print(
+        f"median peer {statistics.median(p for p, _ in pairs):,.1f} {unit}, median dtrain "
+        f"{statistics.median(o for _, o in pairs):,.1f} {unit}, median ratio {ratio:.3f}\n"
+    )
+    return ratio

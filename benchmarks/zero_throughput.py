@@ -1,0 +1,125 @@
+"""zero1, zero2 and zero3 through dtrain against the same sharding written by hand in
+plain PyTorch (DDP + ZeroRedundancyOptimizer; FSDP2 `fully_shard` on every block, then
+the root), on a GPT with AdamW: samples/s of each, alternating, and the median ratio
+dtrain / plain (goal: >= 0.98).
+
+    python benchmarks/zero_throughput.py --nproc 2 --size small --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from harness import alternate, launch, report, timed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import dtrain
+from dtrain.models import build
+from dtrain.models.gpt import lm_loss
+
+STAGES = ("zero1", "zero2", "zero3")
+
+
+def make_data(samples: int, context: int) -> TensorDataset:
+    """Random byte sequences (inputs, targets shifted by one)."""
+    tokens = torch.randint(
+        0, 256, (samples, context + 1), generator=torch.Generator().manual_seed(0)
+    )
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def plain_model(stage: str, size: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer a user would set up by hand for `stage`."""
+    torch.manual_seed(0)
+    model = build("gpt", size)
+    if stage == "zero1":
+        wrapped = DistributedDataParallel(model)
+        optimizer = ZeroRedundancyOptimizer(
+            wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3
+        )
+        return wrapped, optimizer
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    reshard = stage == "zero3"
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def plain_run(args: argparse.Namespace, stage: str, data: TensorDataset) -> float:
+    """samples/s of the hand-written loop."""
+    model, optimizer = plain_model(stage, args.size)
+    sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(
+        data,
+        batch_size=args.global_batch_size // dist.get_world_size(),
+        sampler=sampler,
+        drop_last=True,
+    )
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        lm_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return args.steps * args.global_batch_size / timed(loader, step, args.warmup, args.steps)
+
+
+def dtrain_run(args: argparse.Namespace, stage: str, data: TensorDataset) -> float:
+    """samples/s of the same job through dtrain (`--strategy stage`)."""
+    engine = dtrain.init(strategy=stage)
+    model = build("gpt", args.size)
+    model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loader = engine.dataloader(data, batch_size=args.global_batch_size // engine.dp_size)
+    batches = engine.progress(loader, epoch=0)
+    seconds = timed(batches, lambda b: engine.train_step(b, lm_loss), args.warmup, args.steps)
+    batches.close()
+    del model
+    engine.strategy.close()
+    return args.steps * args.global_batch_size / seconds
+
+
+def worker(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    """(plain, dtrain) samples/s per repeat, for each stage."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    context = build("gpt", args.size).config.context
+    data = make_data((args.warmup + args.steps + 1) * args.global_batch_size, context)
+    return {
+        stage: alternate(
+            args.repeats,
+            lambda s=stage: plain_run(args, s, data),
+            lambda s=stage: dtrain_run(args, s, data),
+        )
+        for stage in STAGES
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args()
+    for stage, pairs in launch(args.nproc, worker, args).items():
+        report(
+            f"{stage}: GPT {args.size}, world size {args.nproc}, global batch "
+            f"{args.global_batch_size}, {args.steps} steps per run, {args.repeats} repeats "
+            "(peer: plain PyTorch)",
+            pairs,
+        )
+
+
+if __name__ == "__main__":
+    main()
