@@ -22,10 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from dtrain import checkpoint, rng
+from dtrain.checkpointing import Checkpointing
 from dtrain.config import Config
 from dtrain.data import ShardedBatchSampler
-from dtrain.errors import CheckpointError, NonFiniteLossError, SetupError
+from dtrain.errors import NonFiniteLossError, SetupError
+from dtrain.evaluation import evaluation_sums
 from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput, track
@@ -36,7 +37,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-class Engine:
+class Engine(Checkpointing):
     """One process's handle on the job. Build it with :func:`dtrain.init`."""
 
     def __init__(self, config: Config, topology: Topology, strategy: Strategy) -> None:
@@ -261,12 +262,7 @@ class Engine:
     def memory_report(self) -> list[dict[str, int]]:
         """Every rank's model-state bytes, measured at the first step (needs
         ``memory_report=True``); collective."""
-        mine = dict(self.memory or {}, rank=self.rank)
-        if not dist.is_initialized():
-            return [mine]
-        everyone: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyone, mine)
-        return everyone
+        return self._gather(dict(self.memory or {}, rank=self.rank))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and synchronise gradients as the strategy requires."""
@@ -287,7 +283,6 @@ class Engine:
         return self.strategy.no_sync()
 
     # -- evaluation -----------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, loader: Iterable[Batch], loss_fn: LossFn | None = None) -> dict[str, float]:
         """Mean loss (and accuracy for classifiers) over `loader`, reduced over workers.
 
@@ -295,31 +290,10 @@ class Engine:
         reported when the outputs are (N, C) logits and the targets (N,) class indices.
         """
         self._require_setup("engine.evaluate")
-        model = self.strategy.eval_module()
-        was_training = model.training
-        model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.topology.device)
-        classifier = True
-        try:
-            for batch in loader:
-                inputs, targets = self.to_device(batch)
-                with self.autocast():
-                    outputs = model(inputs)
-                n = targets.shape[0]
-                if loss_fn is not None:
-                    totals[0] += float(loss_fn(outputs, targets)) * n
-                if (
-                    classifier
-                    and outputs.dim() == 2
-                    and targets.dim() == 1
-                    and not targets.is_floating_point()
-                ):
-                    totals[1] += (outputs.argmax(dim=1) == targets).sum().item()
-                else:
-                    classifier = False
-                totals[2] += n
-        finally:
-            model.train(was_training)
+        batches = (self.to_device(batch) for batch in loader)
+        totals, classifier = evaluation_sums(
+            self.strategy.eval_module(), batches, loss_fn, self.autocast, self.topology.device
+        )
         if self.strategy.multiprocess and dist.is_initialized():
             dist.all_reduce(totals)
         loss_sum, correct, count = totals.tolist()
@@ -330,78 +304,13 @@ class Engine:
             result["accuracy"] = correct / count
         return result
 
-    # -- checkpoints ----------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model under canonical names on the CPU, on the main rank (None on the
-        others). Collective: every rank must call it (sharded strategies gather)."""
-        self._require_setup("engine.state_dict")
-        tensors, _ = self.strategy.full_state(None)
-        return tensors
-
-    def save(
-        self, path: str | Path, epoch: int | None = None, extra: dict[str, Any] | None = None
-    ) -> None:
-        """Write a checkpoint directory at `path` (rank 0 writes, all ranks wait).
-
-        Args:
-            path: the checkpoint directory; replaced atomically if it exists.
-            epoch: the epoch to record (default: the one `progress` is in).
-            extra: more manifest fields (JSON values).
-        """
-        self._require_setup("engine.save")
-        tensors, optimizer_state = self.strategy.full_state(self.optimizer)
-        if self.is_main:
-            assert tensors is not None
-            trainer = {
-                "step": self.step,
-                "epoch": self.epoch if epoch is None else epoch,
-                "samples_in_epoch": self._samples_in_epoch,
-                "rng": rng.get_state(),
-            }
-            info = {
-                "step": self.step,
-                "epoch": trainer["epoch"],
-                "samples_in_epoch": self._samples_in_epoch,
-                "strategy": self.strategy.name,
-                "world_size": self.world_size,
-                "model_class": type(self.strategy.unwrap()).__name__,
-                "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
-                **(extra or {}),
-            }
-            checkpoint.write(Path(path), tensors, optimizer_state, trainer, info)
-            LOGGER.info("saved checkpoint %s at step %d", path, self.step)
-        self.barrier()
-
-    def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
-        """Load a checkpoint written under any strategy and world size; return its manifest.
-
-        Restores the model, the optimizer (if given to setup), the step count, the data
-        position (the next `progress` calls skip what was trained) and the RNG state.
-        """
-        self._require_setup("engine.load")
-        path = Path(path)
-        manifest = checkpoint.read_manifest(path)
-        optimizer_state = None
-        if self.optimizer is not None:
-            optimizer_state = checkpoint.read_pt(path, "optimizer.pt")
-            if optimizer_state is None:
-                raise CheckpointError(
-                    f"{path} holds no optimizer state; set up the Engine without an optimizer "
-                    "to load the model alone."
-                )
-        skipped = self.strategy.load_full_state(
-            checkpoint.read_model(path), self.optimizer, optimizer_state, strict
-        )
-        if skipped:
-            LOGGER.warning("loaded %s partially; skipped %s", path, ", ".join(skipped))
-        trainer = checkpoint.read_pt(path, "trainer.pt") or {}
-        self.step = int(trainer.get("step", manifest["step"]))
-        self.epoch = int(trainer.get("epoch", manifest["epoch"]))
-        self._resume_at = (self.epoch, int(trainer.get("samples_in_epoch", 0)))
-        if "rng" in trainer:
-            rng.set_state(trainer["rng"])
-        LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, self.step, self.epoch)
-        return manifest
+    def _gather(self, value: Any) -> list[Any]:
+        """`value` from every rank, in rank order (a list of one in a one-process job)."""
+        if not dist.is_initialized():
+            return [value]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, value)
+        return everyone
 
     # -- collectives and teardown ---------------------------------------------------------
     def barrier(self) -> None:

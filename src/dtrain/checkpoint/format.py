@@ -173,18 +173,3 @@ def _copy_into(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     targets = {canonical_name(k): v for k, v in model.state_dict(keep_vars=True).items()}
     for name, value in tensors.items():
         targets[name].copy_(value)
-
-
-def find_latest(root: Path) -> Path | None:
-    """The checkpoint under `root` with the highest step, or None if there is none."""
-    root = Path(root)
-    best: tuple[int, Path] | None = None
-    if not root.is_dir():
-        return None
-    for child in root.iterdir():
-        if child.name.startswith(".") or not (child / MANIFEST).is_file():
-            continue
-        step = int(read_manifest(child).get("step", -1))
-        if best is None or step > best[0]:
-            best = (step, child)
-    return best[1] if best else None
