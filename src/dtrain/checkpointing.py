@@ -91,14 +91,12 @@ class Checkpointing:
                 f"{path} is damaged ({'; '.join(problems)}); nothing was loaded. Resume from "
                 "an older checkpoint (engine.resume picks the newest intact one)."
             )
-        optimizer_state = None
-        if self.optimizer is not None:
-            optimizer_state = checkpoint.read_pt(path, "optimizer.pt")
-            if optimizer_state is None:
-                raise CheckpointError(
-                    f"{path} holds no optimizer state; set up the Engine without an optimizer "
-                    "to load the model alone."
-                )
+        optimizer_state = checkpoint.read_pt(path, "optimizer.pt")
+        if self.optimizer is not None and optimizer_state is None:
+            LOGGER.warning("%s holds no optimizer state; the optimizer starts fresh", path)
+            self.print(
+                f"dtrain: note: {path} holds no optimizer state; the optimizer starts fresh."
+            )
         skipped = self.strategy.load_full_state(
             checkpoint.read_model(path), self.optimizer, optimizer_state, strict
         )

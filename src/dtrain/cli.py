@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from dtrain import demo
+from dtrain.checkpoint.convert import convert
 from dtrain.checkpoint.verify import summary, verify
 from dtrain.config import Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError
@@ -101,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = ckpt_sub.add_parser(name, help=text, description=text)
         p.add_argument("path", type=Path, help="A checkpoint directory.")
+    convert = ckpt_sub.add_parser(
+        "convert",
+        help="Plain PyTorch file -> checkpoint directory, or checkpoint -> plain file.",
+        description="SRC a plain PyTorch or safetensors file (a state_dict, possibly under a "
+        "key such as 'state_dict' and with 'module.' names): DST becomes a checkpoint "
+        "directory. SRC a checkpoint directory and DST ending in .pt/.pth/.safetensors: DST "
+        "becomes a plain state_dict file. Files are read with weights_only=True.",
+    )
+    convert.add_argument("src", type=Path, help="A checkpoint directory or a plain file.")
+    convert.add_argument("dst", type=Path, help="The checkpoint directory or file to write.")
     return parser
 
 
@@ -108,7 +119,7 @@ def _check_demo_batch(config: Config, args: argparse.Namespace) -> None:
     strategy = lookup(config.strategy)
     dp_size = config.nproc * config.nnodes if strategy.multiprocess else 1
     towers = len(tower_devices(config)[0]) if strategy.name == "towers" else 1
-    demo.with_task_defaults(args)
+    demo.complete_args(args)
     demo.check_batch(args.global_batch_size, dp_size, towers, config.grad_accumulation)
 
 
@@ -139,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ckpt(args: argparse.Namespace) -> int:
+    if args.ckpt_command == "convert":
+        print(convert(args.src, args.dst))
+        return 0
     if args.ckpt_command == "inspect":
         print(format_table(summary(args.path)))
         return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,6 @@ from dtrain.models.gpt import SIZES
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.metrics import format_memory, format_table, write_metrics
 from dtrain.tasks import OPTIMIZERS, TASKS, make_optimizer
-
-KEEP_CHECKPOINTS = 3
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -92,10 +89,16 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--metrics-json", type=Path, default=None, help="Write the results here.")
     g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        help="How many of the newest checkpoints to keep.",
+    )
+    g.add_argument(
         "--resume",
         action="store_true",
-        help="Continue from the newest checkpoint under --out (any strategy and "
-        "world size may have written it).",
+        help="Continue from the newest intact checkpoint under --out (any strategy and "
+        "world size may have written it); a restart after --max-restarts does this itself.",
     )
 
 
@@ -110,17 +113,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dtrain demo")
     add_topology_args(parser)
     add_training_args(parser)
-    return with_task_defaults(parser.parse_args(argv))
+    return complete_args(parser.parse_args(argv))
 
 
-def with_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the training flags left unset with the defaults of the model's task."""
+def complete_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the training flags left unset with the defaults of the model's task, and
+    reject values that cannot work."""
     task = TASKS[args.model]
     for flag in ("epochs", "global_batch_size", "lr", "optimizer"):
         if getattr(args, flag) is None:
             setattr(args, flag, getattr(task, flag))
     if args.ref_batch_size is None:
         args.ref_batch_size = task.global_batch_size
+    if args.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}.")
     return args
 
 
@@ -183,7 +189,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         total_steps=args.epochs * steps_per_epoch,
     )
     ckpt_root = args.out / "checkpoints"
-    if args.resume:
+    if args.resume or engine.restart_count > 0:
+        if engine.restart_count:
+            engine.print(f"dtrain: restart {engine.restart_count} after a failure; resuming.")
         resume_from(engine, ckpt_root)
     max_steps = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     engine.print(
@@ -209,16 +217,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             schedule.apply(optimizer, engine.step)
             last_loss = engine.train_step(batch, task.loss).item()
             if args.checkpoint_every and engine.step % args.checkpoint_every == 0:
-                save(engine, ckpt_root)
+                save(engine, ckpt_root, args.keep_checkpoints)
             if engine.step >= max_steps:
                 break
         if engine.step == epoch_start_step:
             continue  # an epoch the resumed checkpoint had already trained
         if not args.checkpoint_every:
-            save(engine, ckpt_root)
+            save(engine, ckpt_root, args.keep_checkpoints)
         LOGGER.info("epoch %d done at step %d, loss %.4f", epoch, engine.step, last_loss)
 
-    save(engine, ckpt_root)  # the final model is always on disk
+    save(engine, ckpt_root, args.keep_checkpoints)  # the final model is always on disk
     result = engine.evaluate(test_loader, task.loss)
     metrics: dict[str, object] = {
         "strategy": engine.strategy.name,
@@ -251,28 +259,25 @@ def none_if_nan(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
-def save(engine: dtrain.Engine, root: Path) -> None:
-    """Checkpoint to ``root/step-NNNNNNNN`` (unless that step is saved) and keep the newest few."""
-    path = root / f"step-{engine.step:08d}"
+def save(engine: dtrain.Engine, root: Path, keep: int) -> None:
+    """Checkpoint to ``root/step-NNNNNNNN`` (unless that step is saved); keep the newest."""
+    path = checkpoint.step_path(root, engine.step)
     if checkpoint.find_latest(root) == path:
         return
     engine.save(path)
     if engine.is_main:
-        existing = sorted(p for p in root.glob("step-*") if p.is_dir())
-        for old in existing[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(old, ignore_errors=True)
+        checkpoint.prune(root, keep)
 
 
 def resume_from(engine: dtrain.Engine, root: Path) -> None:
-    """Load the newest checkpoint under `root`, or say that there is none."""
-    latest = checkpoint.find_latest(root)
-    if latest is None:
-        engine.print(f"--resume: no checkpoint under {root}; starting from scratch.")
+    """Load the newest intact checkpoint under `root`, or say that there is none."""
+    manifest = engine.resume(root)
+    if manifest is None:
+        engine.print(f"No checkpoint under {root} to resume from; starting from scratch.")
         return
-    manifest = engine.load(latest)
     engine.print(
-        f"Resumed from {latest} (step {manifest['step']}, written by "
-        f"{manifest['strategy']} at world size {manifest['world_size']})."
+        f"Resumed at step {manifest['step']} from a checkpoint written by "
+        f"{manifest['strategy']} at world size {manifest['world_size']}."
     )
 
 
