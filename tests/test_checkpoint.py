@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 from distributed import run_ranks
 from torch.testing import assert_close
-from training import train
+from training import train, train_variants
 
 import dtrain
 from dtrain.checkpoint.verify import verify
@@ -128,10 +128,26 @@ def test_zero3_checkpoint_resumes_under_single_and_zero2_at_another_world_size(
 
 
 @pytest.mark.timeout(180)
-def test_zero1_checkpoint_gathers_the_sharded_optimizer_state(tmp_path: Path) -> None:
-    path = str(tmp_path / "zero1-step5")
-    run_ranks(functools.partial(train, steps=5, checkpoint_out=path, strategy="zero1"), 2)
-    state = torch.load(Path(path) / "optimizer.pt", weights_only=True)["state"]
+def test_zero1_and_zero2_checkpoints_resume_under_single(tmp_path: Path) -> None:
+    paths = [str(tmp_path / "zero1"), str(tmp_path / "zero2")]
+    variants = [
+        {"steps": 5, "checkpoint_out": path, "strategy": strategy}
+        for path, strategy in zip(paths, ("zero1", "zero2"), strict=True)
+    ]
+    run_ranks(train_variants, 2, variants)
+    state = torch.load(Path(paths[0]) / "optimizer.pt", weights_only=True)["state"]
     assert set(state) == {n for n, _ in DigitsMLP(hidden=32).named_parameters()}
     uninterrupted = train(steps=10, strategy="single")
-    assert_close(train(steps=5, checkpoint_in=path, strategy="single"), uninterrupted)
+    for path in paths:
+        assert_close(train(steps=5, checkpoint_in=path, strategy="single"), uninterrupted)
+
+
+@pytest.mark.timeout(180)
+def test_one_process_checkpoints_resume_under_ddp(tmp_path: Path) -> None:
+    paths = [str(tmp_path / "single"), str(tmp_path / "towers")]
+    train(steps=5, checkpoint_out=paths[0], strategy="single")
+    train(steps=5, checkpoint_out=paths[1], strategy="towers", towers=2)
+    variants = [{"steps": 5, "checkpoint_in": path, "strategy": "ddp"} for path in paths]
+    uninterrupted = train(steps=10, strategy="single")
+    for resumed in run_ranks(train_variants, 2, variants)[0]:
+        assert_close(resumed, uninterrupted)

@@ -44,11 +44,12 @@ def test_demo_reaches_95_percent(tmp_path: Path, flags: tuple[str, ...]) -> None
     assert [c.name for c in checkpoints] == ["step-00000220", "step-00000242", "step-00000264"]
 
 
-def test_stop_and_resume_under_another_strategy_equals_uninterrupted(tmp_path: Path) -> None:
+def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path: Path) -> None:
     common = ("--model", "mlp", "--epochs", "2", "--checkpoint-every", "10")
     demo(tmp_path, *common, name="whole")
-    demo(tmp_path, *common, "--steps", "25", name="split")
-    resumed = demo(tmp_path, *common, "--strategy", "ddp", "--nproc", "2", "--resume", name="split")
+    ddp = ("--strategy", "ddp", "--nproc", "2")
+    demo(tmp_path, *common, *ddp, "--steps", "25", name="split")
+    resumed = demo(tmp_path, *common, *ddp, "--resume", name="split")
     assert resumed["steps"] == 44
     whole = safetensors.torch.load_file(
         tmp_path / "whole/checkpoints/step-00000044/model.safetensors"

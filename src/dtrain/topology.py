@@ -106,6 +106,7 @@ def init_process_group(topology: Topology, timeout_s: float) -> None:
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         dist.init_process_group(
             topology.backend,
+            store=_job_store(topology, timeout),
             rank=topology.rank,
             world_size=topology.world_size,
             timeout=timeout,
@@ -115,3 +116,23 @@ def init_process_group(topology: Topology, timeout_s: float) -> None:
         dist.init_process_group(
             topology.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+
+
+def _job_store(topology: Topology, timeout: timedelta) -> dist.Store:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT, private to this attempt.
+
+    Under the elastic agent the store outlives a restart; a restarted group reading the
+    previous attempt's keys (a dead rank's address) fails to connect now and then. A
+    prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts apart. The agent
+    hosts the store when it says so (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        topology.world_size,
+        is_master=not agent_hosts and topology.rank == 0,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"dtrain/attempt-{attempt}", store)
