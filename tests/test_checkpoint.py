@@ -128,7 +128,7 @@ def test_zero3_checkpoint_resumes_under_single_and_zero2_at_another_world_size(
 
 
 @pytest.mark.timeout(180)
-def test_zero1_and_zero2_checkpoints_resume_under_single(tmp_path: Path) -> None:
+def test_zero1_and_zero2_checkpoints_resume_under_single_and_zero3(tmp_path: Path) -> None:
     paths = [str(tmp_path / "zero1"), str(tmp_path / "zero2")]
     variants = [
         {"steps": 5, "checkpoint_out": path, "strategy": strategy}
@@ -140,6 +140,9 @@ def test_zero1_and_zero2_checkpoints_resume_under_single(tmp_path: Path) -> None
     uninterrupted = train(steps=10, strategy="single")
     for path in paths:
         assert_close(train(steps=5, checkpoint_in=path, strategy="single"), uninterrupted)
+    under_zero3 = [{"steps": 5, "checkpoint_in": path, "strategy": "zero3"} for path in paths]
+    for resumed in run_ranks(train_variants, 2, under_zero3)[0]:
+        assert_close(resumed, uninterrupted)
 
 
 @pytest.mark.timeout(180)
