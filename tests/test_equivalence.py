@@ -47,7 +47,8 @@ def test_zero_stages_match_single(reference: dict, gpt_reference: dict, world_si
     variants = [{"strategy": s} for s in stages] + [
         {"strategy": s, "model_name": "gpt"} for s in stages
     ]
+    variants.append({"strategy": "zero3", "grad_accumulation": 2})
     results = run_ranks(train_variants, world_size, variants, timeout=280)[0]
-    for stage, params in zip(stages * 2, results, strict=True):
+    for stage, params in zip([*stages, *stages, "zero3+accumulation"], results, strict=True):
         expected = reference if len(params) == len(reference) else gpt_reference
         assert_close(params, expected, msg=lambda m, s=stage: f"{s}: {m}")

@@ -12,6 +12,8 @@ stage 3 16 psi / N (plus the gathered parameters of the blocks in flight).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -79,6 +81,16 @@ class FullyShardedBase(Strategy):
             following.set_modules_to_backward_prefetch([current])  # type: ignore[operator]
         self.model = model
         return model, rebuild(optimizer, names, model) if optimizer is not None else None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients locally; the last micro-batch reduce-scatters."""
+        assert self.model is not None
+        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def full_state(
         self, optimizer: Optimizer | None
