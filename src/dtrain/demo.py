@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "test_accuracy": result.get("accuracy"),
         "samples_per_second": engine.throughput.samples_per_second,
         "wall_seconds": time.perf_counter() - wall_start,
+        **engine.strategy.report(),
     }
     if engine.is_main:
         print(format_table([(k, v) for k, v in metrics.items() if v is not None]), flush=True)

@@ -288,7 +288,7 @@ class Engine:
         finally:
             model.train(was_training)
         if self.strategy.multiprocess and dist.is_initialized():
-            dist.all_reduce(totals)
+            dist.all_reduce(totals, group=self.strategy.dp_group)
         loss_sum, correct, count = totals.tolist()
         result = {"samples": count}
         if count and loss_fn is not None:
@@ -309,6 +309,7 @@ class Engine:
             extra: more manifest fields (JSON values).
         """
         self._require_setup("engine.save")
+        self.strategy.gather_state()
         if self.is_main:
             trainer = {
                 "step": self.step,
@@ -349,6 +350,7 @@ class Engine:
                     "to load the model alone."
                 )
             load_by_name(self.optimizer, self.strategy.unwrap(), saved)
+        self.strategy.after_load()
         trainer = checkpoint.read_pt(path, "trainer.pt") or {}
         self.step = int(trainer.get("step", manifest["step"]))
         self.epoch = int(trainer.get("epoch", manifest["epoch"]))
@@ -361,16 +363,17 @@ class Engine:
     # -- collectives and teardown ---------------------------------------------------------
     def barrier(self) -> None:
         """Wait for every process (no-op in a one-process job)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        group = self.strategy.dp_group
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.barrier(group=group)
 
     def all_reduce_mean(self, value: float) -> float:
         """The mean of `value` over the data-parallel processes."""
         if not (self.strategy.multiprocess and dist.is_initialized()):
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.topology.device)
-        dist.all_reduce(t)
-        return t.item() / dist.get_world_size()
+        dist.all_reduce(t, group=self.strategy.dp_group)
+        return t.item() / dist.get_world_size(self.strategy.dp_group)
 
     def close(self) -> None:
         """Release the strategy's wrappers, then leave the process group.
