@@ -145,7 +145,8 @@ class Strategy:
         """Hand loaded parameters and optimizer state back to where they live (every rank)."""
 
     def report(self) -> dict[str, object]:
-        """Strategy-specific measurements for the run's metrics (main rank)."""
+        """Strategy-specific measurements for the run's metrics (call on every rank; the
+        main rank gets them)."""
         return {}
 
     def close(self) -> None:

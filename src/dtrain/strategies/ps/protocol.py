@@ -42,6 +42,7 @@ STATS = (
     "max_staleness",  # async/ssp: most updates between a gradient's version and its use
     "staleness_sum",  # async/ssp: sum of the staleness of applied gradients
     "applied",  # async/ssp: gradients applied one by one
+    "pending",  # sync: gradients waiting in the open round
 )
 
 

@@ -111,6 +111,7 @@ class Server:
                 self._set_state(protocol.from_bytes(data))
                 self._send(torch.ones(1), sender)
             elif op is Op.STATS:
+                self.stats["pending"] = self.round_count
                 counters = [float(self.stats[name]) for name in protocol.STATS]
                 self._send(torch.tensor(counters, dtype=torch.float64), sender)
             elif op is Op.FINISH:
@@ -138,20 +139,33 @@ class Server:
         self.stats["max_staleness"] = max(self.stats["max_staleness"], staleness)
         self.stats["staleness_sum"] += staleness
         self.stats["applied"] += 1
-        scale = 1.0 / max(1, staleness) if self.config.staleness_lr else 1.0
+        # A worker's gradient is the mean over its 1/W share of the global batch; applied
+        # alone it gets lr/W, so every sample weighs in as in the global-batch mean (and W
+        # pushes in a row move as far as one sync round).
+        scale = 1.0 / self.workers
+        if self.config.staleness_lr:
+            scale /= max(1, staleness)
         self._apply(self.received[worker], scale, used=1)
 
     def _maybe_close_round(self) -> None:
         """Sync: apply the round once W - B gradients (or all unfinished workers') are in."""
         if self.mode != "sync" or self.round_count == 0:
             return
-        active = self.workers - len(self.finished)
-        needed = max(1, min(self.workers - self.config.backup_workers, active))
-        if self.round_count < needed:
+        if self._round_impossible():
+            # Too few workers are left to ever fill the round: its gradients are dropped
+            # (an update always uses exactly W - B) and waiting pulls get the current version.
+            self.stats["dropped"] += self.round_count
+            self.round_sum.zero_()
+            self.round_count = 0
+            return
+        if self.round_count < self.workers - self.config.backup_workers:
             return
         self._apply(self.round_sum / self.round_count, 1.0, used=self.round_count)
         self.round_sum.zero_()
         self.round_count = 0
+
+    def _round_impossible(self) -> bool:
+        return self.workers - len(self.finished) < self.workers - self.config.backup_workers
 
     def _apply(self, gradient: torch.Tensor, scale: float, used: int) -> None:
         for key, param in zip(self.keys, self.params, strict=True):
@@ -172,7 +186,7 @@ class Server:
     # -- pulls -----------------------------------------------------------------------------
     def _ready(self, worker: int, needed_version: int) -> bool:
         if self.mode == "sync":
-            return self.version >= needed_version
+            return self.version >= needed_version or self._round_impossible()
         if self.mode == "async":
             return True
         active = [c for w, c in enumerate(self.clocks) if w not in self.finished]

@@ -193,10 +193,18 @@ class ParameterServer(Strategy):
         self._refresh()
         return super().unwrap()
 
-    def _refresh(self) -> None:
-        """Every worker reads the servers' parameters after all committed steps."""
+    def _settle(self) -> None:
+        """Return once the servers have taken in every worker's committed steps.
+
+        A worker's pull is answered only after its commit was handled, so once every
+        worker has its pull and has passed the barrier, no commit is in flight.
+        """
         self._client.wait_pulls()
         dist.barrier(group=self._workers_group)
+
+    def _refresh(self) -> None:
+        """Every worker reads the servers' parameters after all committed steps."""
+        self._settle()
         self._client.pull_latest()
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -261,7 +269,11 @@ class ParameterServer(Strategy):
 
     # -- measurements and end --------------------------------------------------------------
     def report(self) -> dict[str, object]:
-        if not self.topology.is_main or self.client is None or self.plan is None:
+        """Counters of the servers, on the main rank (every worker must call it)."""
+        if self.client is None or self.plan is None:
+            return {}
+        self._settle()
+        if not self.topology.is_main:
             return {}
         stats = self.client.stats()
         applied = sum(s["applied"] for s in stats)
@@ -272,10 +284,12 @@ class ParameterServer(Strategy):
             "ps_balance": self.plan.balance,
             "ps_updates": [int(s["updates"]) for s in stats],
             "ps_gradients_per_update": [
-                min(s["min_used"] for s in stats),
-                max(s["max_used"] for s in stats),
+                int(min(s["min_used"] for s in stats)),
+                int(max(s["max_used"] for s in stats)),
             ],
+            "ps_gradients_used": [int(s["used"]) for s in stats],
             "ps_dropped_gradients": int(sum(s["dropped"] for s in stats)),
+            "ps_pending_gradients": int(sum(s["pending"] for s in stats)),
             "ps_max_step_gap": int(max(s["max_gap"] for s in stats)),
             "ps_max_staleness": int(max(s["max_staleness"] for s in stats)),
             "ps_mean_staleness": sum(s["staleness_sum"] for s in stats) / applied
