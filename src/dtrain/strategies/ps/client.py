@@ -52,6 +52,10 @@ class Client:
             for i, key in enumerate(shard.keys):
                 self.by_param[key.param].append((s, i, key))
         self.versions = [0] * len(self.servers)
+        self.pull_buffers = [
+            (torch.empty(1, dtype=torch.int64), torch.empty(shard.numel, dtype=params[0].dtype))
+            for shard in plan.shards
+        ]
         self.syncing = True
         self.pushed: set[int] = set()
         self.sends: list[tuple[Any, torch.Tensor]] = []
@@ -93,8 +97,8 @@ class Client:
 
     # -- pull ------------------------------------------------------------------------------
     def _post_pull(self, s: int) -> None:
-        version = torch.empty(1, dtype=torch.int64)
-        values = torch.empty(self.plan.shards[s].numel, dtype=self.params[0].dtype)
+        # One pull per server is in flight at a time, so its buffers are reused.
+        version, values = self.pull_buffers[s]
         server = self.servers[s]
         self.pulls.append(
             (

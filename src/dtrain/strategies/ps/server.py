@@ -72,6 +72,7 @@ class Server:
         self.received = [torch.zeros_like(self.flat) for _ in range(workers)]
         self.round_sum = torch.zeros_like(self.flat)
         self.round_count = 0
+        self.round_first = 0
         self.version = 0
         self.clocks = [0] * workers
         self.finished: set[int] = set()
@@ -118,8 +119,7 @@ class Server:
                 self.finished.add(sender)
                 self._maybe_close_round()
             self._answer_pulls()
-        for work, _ in self.sending:
-            protocol.wait(work, self.config.timeout_s, f"Server {self.index} sending a reply")
+        self._finish_sends()
         LOGGER.info("server %d done: %s", self.index, self.stats)
 
     # -- updates ---------------------------------------------------------------------------
@@ -131,7 +131,16 @@ class Server:
             if version < self.version:
                 self.stats["dropped"] += 1
                 return
-            self.round_sum += self.received[worker]
+            # The first gradient stays in its receive buffer (its worker waits for this
+            # round's update before pushing again); the sum is made from the second on.
+            if self.round_count == 0:
+                self.round_first = worker
+            elif self.round_count == 1:
+                torch.add(
+                    self.received[self.round_first], self.received[worker], out=self.round_sum
+                )
+            else:
+                self.round_sum += self.received[worker]
             self.round_count += 1
             self._maybe_close_round()
             return
@@ -148,26 +157,29 @@ class Server:
         self._apply(self.received[worker], scale, used=1)
 
     def _maybe_close_round(self) -> None:
-        """Sync: apply the round once W - B gradients (or all unfinished workers') are in."""
+        """Sync: apply the round's mean once W - B gradients are in."""
         if self.mode != "sync" or self.round_count == 0:
             return
         if self._round_impossible():
             # Too few workers are left to ever fill the round: its gradients are dropped
             # (an update always uses exactly W - B) and waiting pulls get the current version.
             self.stats["dropped"] += self.round_count
-            self.round_sum.zero_()
             self.round_count = 0
             return
         if self.round_count < self.workers - self.config.backup_workers:
             return
-        self._apply(self.round_sum / self.round_count, 1.0, used=self.round_count)
-        self.round_sum.zero_()
+        if self.round_count == 1:
+            mean = self.received[self.round_first]
+        else:
+            mean = self.round_sum.div_(self.round_count)
+        self._apply(mean, 1.0, used=self.round_count)
         self.round_count = 0
 
     def _round_impossible(self) -> bool:
         return self.workers - len(self.finished) < self.workers - self.config.backup_workers
 
     def _apply(self, gradient: torch.Tensor, scale: float, used: int) -> None:
+        self._finish_sends()  # replies read `flat` in place; the update may not race them
         for key, param in zip(self.keys, self.params, strict=True):
             param.grad = self._view(gradient, key.offset, key.numel)
         if scale != 1.0:
@@ -207,7 +219,7 @@ class Server:
             gap = self.clocks[worker] - min(active, default=self.clocks[worker])
             self.stats["max_gap"] = max(self.stats["max_gap"], gap)
         self._send(torch.tensor([self.version], dtype=torch.int64), worker)
-        self._send(self.flat.clone(), worker)
+        self._send(self.flat, worker)
 
     # -- checkpoints -------------------------------------------------------------------------
     def _state(self) -> dict[int, dict[str, object]]:
@@ -220,6 +232,7 @@ class Server:
 
     @torch.no_grad()
     def _set_state(self, data: dict[str, object]) -> None:
+        self._finish_sends()
         self.flat.copy_(data["params"])  # type: ignore[arg-type]
         states: dict[int, dict[str, object]] = data["state"]  # type: ignore[assignment]
         for i, param in enumerate(self.params):
@@ -232,6 +245,11 @@ class Server:
     def _recv(self, tensor: torch.Tensor, worker: int) -> None:
         what = f"Server {self.index} receiving from worker {worker}"
         protocol.wait(protocol.recv(tensor, worker, PAYLOAD), self.config.timeout_s, what)
+
+    def _finish_sends(self) -> None:
+        for work, _ in self.sending:
+            protocol.wait(work, self.config.timeout_s, f"Server {self.index} sending a reply")
+        self.sending = []
 
     def _send(self, tensor: torch.Tensor, worker: int) -> None:
         self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]

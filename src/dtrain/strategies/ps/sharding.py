@@ -74,8 +74,11 @@ class Plan:
 
 def chunk_elements(total: int, servers: int, element_size: int = 4) -> int:
     """The chunk size in elements for `total` elements over `servers` servers."""
+    largest = MAX_CHUNK_BYTES // element_size
+    if servers == 1:
+        return largest  # nothing to balance: only the message size bounds a chunk
     target = math.ceil(total / (servers * CHUNKS_PER_SERVER))
-    return max(MIN_CHUNK_ELEMENTS, min(target, MAX_CHUNK_BYTES // element_size))
+    return max(MIN_CHUNK_ELEMENTS, min(target, largest))
 
 
 def plan(sizes: list[int], groups: list[int], servers: int, element_size: int = 4) -> Plan:
