@@ -1,11 +1,15 @@
 """The worker's side of the parameter server: push gradients, commit, pull parameters.
 
-Overlap, as in BytePS and PyTorch DDP: a hook on every parameter pushes its gradient to
-the servers that hold it as soon as backward has accumulated it, while backward goes on
-with the layers below. `commit` (the optimizer's `step`) then tells every server that
-this step's gradients are complete, with the learning rates to use, and posts the pull
-of the new parameters without waiting; the model's forward waits for it, so the pull
+Overlap, as in BytePS and PyTorch DDP: a hook on every parameter stages its gradient as
+soon as backward has accumulated it, and a bucket (~4 MiB of consecutive keys of one
+server) is pushed the moment its last gradient is in, while backward goes on with the
+layers below. `commit` (the optimizer's `step`) then tells every server that this step's
+gradients are complete, with the learning rates to use, and posts the pull of the new
+parameters without waiting; the model's forward waits for it, so the pull
 overlaps with loading the next batch.
+(In async mode a forward that did not wait at all, computing on the parameters it had,
+added about one step of staleness and made the demo diverge at momentum 0.9, so every
+mode waits for its pull.)
 """
 
 from __future__ import annotations
@@ -47,10 +51,16 @@ class Client:
         self.servers = [workers + s for s in range(len(plan.shards))]
         self.groups = groups
         self.timeout_s = timeout_s
+        # Where each parameter's keys go: (server, bucket, key); how many keys each bucket
+        # still waits for this step; the staging buffer each server's pushes are cut from.
         self.by_param: list[list[tuple[int, int, Key]]] = [[] for _ in params]
         for s, shard in enumerate(plan.shards):
-            for i, key in enumerate(shard.keys):
-                self.by_param[key.param].append((s, i, key))
+            for b, bucket in enumerate(shard.buckets):
+                for key in shard.keys[bucket.first : bucket.last]:
+                    self.by_param[key.param].append((s, b, key))
+        self.bucket_sizes = [[b.last - b.first for b in shard.buckets] for shard in plan.shards]
+        self.missing = [list(sizes) for sizes in self.bucket_sizes]
+        self.staging = [torch.empty(shard.numel, dtype=params[0].dtype) for shard in plan.shards]
         self.versions = [0] * len(self.servers)
         self.pull_buffers = [
             (torch.empty(1, dtype=torch.int64), torch.empty(shard.numel, dtype=params[0].dtype))
@@ -70,28 +80,31 @@ class Client:
             self.push(self._index[id(param)])
 
     def push(self, index: int) -> None:
-        """Send parameter `index`'s gradient (zeros if it has none) to its servers."""
+        """Stage parameter `index`'s gradient (zeros if it has none); send full buckets."""
         param = self.params[index]
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         flat = grad.detach().reshape(-1).to("cpu")
-        for server, key_index, key in self.by_param[index]:
-            payload = protocol.gather_key(flat, key.ranges).contiguous()
-            self._request(server, Op.PUSH, key_index)
-            self.sends.append((protocol.send(payload, self.servers[server], PAYLOAD), payload))
+        for server, b, key in self.by_param[index]:
+            staged = self.staging[server][key.offset : key.offset + key.numel]
+            staged.copy_(protocol.gather_key(flat, key.ranges))
+            self.missing[server][b] -= 1
+            if self.missing[server][b] == 0:
+                bucket = self.plan.shards[server].buckets[b]
+                payload = self.staging[server][bucket.offset : bucket.offset + bucket.numel]
+                self._request(server, Op.PUSH, b)
+                self.sends.append((protocol.send(payload, self.servers[server], PAYLOAD), payload))
         self.pushed.add(index)
 
     def commit(self, lrs: list[float]) -> None:
-        """End the step: push what is missing, commit with `lrs`, post the gated pull."""
+        """End the step: push what is missing, commit with `lrs` and post the gated pull."""
         self.wait_pulls()
         for index in range(len(self.params)):
             if index not in self.pushed:
                 self.push(index)
         self.pushed.clear()
+        self.missing = [list(sizes) for sizes in self.bucket_sizes]
         for s in range(len(self.servers)):
             self._request(s, Op.COMMIT, self.versions[s], lrs=lrs)
-        self._drain_sends()
-        for s in range(len(self.servers)):
-            self._request(s, Op.PULL, 0, self.versions[s] + 1)
             self._post_pull(s)
         self._drain_sends()
 
@@ -134,7 +147,7 @@ class Client:
         """Fetch the servers' current parameters now (evaluation, checkpoints)."""
         self.wait_pulls()
         for s in range(len(self.servers)):
-            self._request(s, Op.PULL, 1)
+            self._request(s, Op.PULL)
             self._post_pull(s)
         self._drain_sends()
         self.wait_pulls()

@@ -9,9 +9,10 @@ gloo delivers in order, so a worker's payloads always follow their headers.
 
     header = [op, sender, a, b, lr of param group 0, ..., lr of group G-1]
 
-    PUSH      a = key index on the server           payload: the key's gradient
-    COMMIT    a = version the gradient was computed on, b = the worker's step
-    PULL      a = 1 for "the latest now", 0 for "when the mode allows"   reply: params
+    PUSH      a = bucket index on the server        payload: the bucket's gradients
+    COMMIT    a = version the gradients were computed on; the pull of the next
+              parameters, answered when the mode allows    reply: version, params
+    PULL      the latest parameters now                    reply: version, params
     GET_STATE                                        reply: optimizer state (bytes)
     SET_STATE a = bytes                              payload: params + optimizer state
     STATS                                            reply: float64 counters

@@ -53,6 +53,7 @@ class Server:
     ) -> None:
         self.index = index
         self.keys = shard.keys
+        self.buckets = shard.buckets
         self.workers = workers
         self.config = config
         self.mode = config.ps_mode
@@ -92,18 +93,15 @@ class Server:
         while len(self.finished) < self.workers:
             work = protocol.recv(head, None, HEADER)
             protocol.wait(work, self.config.timeout_s, f"Server {self.index} waiting for workers")
-            op, sender, a, b = Op(int(head[0])), int(head[1]), head[2].item(), head[3].item()
+            op, sender, a = Op(int(head[0])), int(head[1]), head[2].item()
             if op is Op.PUSH:
-                key = self.keys[int(a)]
-                buffer = self._view(self.received[sender], key.offset, key.numel)
-                self._recv(buffer, sender)
+                bucket = self.buckets[int(a)]
+                self._recv(self._view(self.received[sender], bucket.offset, bucket.numel), sender)
             elif op is Op.COMMIT:
                 self._commit(sender, int(a), head[protocol.FIXED_FIELDS :].tolist())
+                self.waiting[sender] = int(a) + 1
             elif op is Op.PULL:
-                if a:
-                    self._reply_params(sender, gated=False)
-                else:
-                    self.waiting[sender] = int(b)
+                self._reply_params(sender, gated=False)
             elif op is Op.GET_STATE:
                 self._send_bytes(sender, self._state())
             elif op is Op.SET_STATE:

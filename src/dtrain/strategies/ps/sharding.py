@@ -6,9 +6,10 @@ for small models so that K servers still get about 16 chunks each) and the chunk
 dealt largest first to the least loaded server (LPT scheduling). The imbalance is then at
 most one chunk, i.e. max/mean <= 1 + 1/16 when no tensor is smaller than a chunk.
 
-A *key* is what one message carries: the chunks of one parameter that live on one server,
-concatenated in parameter order. Each server stores its keys back to back in one flat
-buffer.
+A *key* is the chunks of one parameter that live on one server, concatenated in parameter
+order. Each server stores its keys back to back in one flat buffer; consecutive keys form
+*buckets* of up to ~4 MiB, the unit a worker pushes in one message (as DDP's buckets:
+few messages for many small tensors, and still overlap with backward for large models).
 """
 
 from __future__ import annotations
@@ -45,12 +46,36 @@ class Key:
         return sum(length for _, length in self.ranges)
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive keys of one server pushed as one message (``keys[first:last]``)."""
+
+    first: int
+    last: int
+    offset: int
+    numel: int
+
+
 @dataclass
 class ServerShard:
-    """What one server holds: its keys, back to back in a flat buffer of `numel` elements."""
+    """What one server holds: its keys, back to back in a flat buffer of `numel` elements,
+    and the buckets (at most ~4 MiB) in which workers push their gradients."""
 
     keys: list[Key] = field(default_factory=list)
     numel: int = 0
+    buckets: list[Bucket] = field(default_factory=list)
+
+    def add_buckets(self, limit: int) -> None:
+        """Group the keys into buckets of at most `limit` elements (or one key)."""
+        first = 0
+        for i, key in enumerate(self.keys):
+            start = self.keys[first].offset
+            if i > first and key.offset + key.numel - start > limit:
+                self.buckets.append(Bucket(first, i, start, key.offset - start))
+                first = i
+        if self.keys:
+            start = self.keys[first].offset
+            self.buckets.append(Bucket(first, len(self.keys), start, self.numel - start))
 
 
 @dataclass(frozen=True)
@@ -119,5 +144,6 @@ def plan(sizes: list[int], groups: list[int], servers: int, element_size: int = 
             key = Key(param, groups[param], tuple(sorted(ranges_by_param[param])), shard.numel)
             shard.keys.append(key)
             shard.numel += key.numel
+        shard.add_buckets(MAX_CHUNK_BYTES // element_size)
         shards.append(shard)
     return Plan(tuple(shards), element_size)
