@@ -24,10 +24,15 @@ def train(
     checkpoint_out: str | None = None,
     close: bool = True,
     model_name: str = "mlp",
+    with_report: bool = False,
+    manual: bool = False,
     **options: Any,
-) -> dict[str, torch.Tensor]:
+) -> Any:
     """Train `steps` steps under `options` (given to dtrain.init); return the parameters
     (on the main rank; None on the others).
+
+    With `with_report`, return (parameters, the strategy's report) instead. With `manual`,
+    step by hand (``engine.backward(loss); optimizer.step(); optimizer.zero_grad()``).
 
     With `checkpoint_in`, first load that checkpoint (any strategy may have written it);
     with `checkpoint_out`, save one at the end. `close=False` keeps the process group for
@@ -52,20 +57,27 @@ def train(
     target = engine.step + steps
     while engine.step < target:
         for batch in engine.progress(loader, epoch=epoch):
-            engine.train_step(batch, loss_fn)
+            if manual:
+                inputs, targets = engine.to_device(batch)
+                engine.backward(loss_fn(model(inputs), targets))
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                engine.train_step(batch, loss_fn)
             if engine.step == target:
                 break
         epoch += 1
     if checkpoint_out:
         engine.save(checkpoint_out)
     params = engine.state_dict()
+    report = engine.strategy.report() if with_report else None
     del model, optimizer
     gc.collect()
     if close:
         engine.close()
     else:
         engine.strategy.close()
-    return params
+    return (params, report) if with_report else params
 
 
 def train_variants(variants: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:

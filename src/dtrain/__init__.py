@@ -28,7 +28,7 @@ from dtrain.errors import (
 from dtrain.rng import seed_everything
 from dtrain.strategies import available as available_strategies
 from dtrain.strategies import lookup
-from dtrain.topology import detect, init_process_group
+from dtrain.topology import init_process_group
 
 __version__ = "0.1.0"
 
@@ -50,7 +50,7 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
     config = config.replace(**options)
     strategy_cls = lookup(config.strategy)
     strategy_cls.check_options(config)
-    topology = detect(config)
+    topology = strategy_cls.detect_topology(config)
     if topology.world_size > 1 and not strategy_cls.multiprocess:
         raise ConfigError(
             f"Strategy '{strategy_cls.name}' runs in one process, but this job has "

@@ -107,9 +107,9 @@ class Checkpointing:
         self._resume_at = (self.epoch, int(trainer.get("samples_in_epoch", 0)))
         rng_states = trainer.get("rng_per_rank") or []
         if rng_states:
-            # Same world size: every rank continues its own streams; otherwise rank 0's.
-            same = len(rng_states) == self.world_size
-            rng.set_state(rng_states[self.rank if same else 0])
+            # Same data-parallel size: every rank continues its own streams; else rank 0's.
+            same = len(rng_states) == self.dp_size and self.strategy.dp_rank < len(rng_states)
+            rng.set_state(rng_states[self.strategy.dp_rank if same else 0])
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, self.step, self.epoch)
         return manifest
 

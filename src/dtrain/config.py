@@ -68,6 +68,21 @@ class Config:
     max_restarts: int = option(
         0, "Restart the whole group up to this many times after a worker fails."
     )
+    servers: int = option(1, "Parameter-server processes added to the --nproc workers (ps).")
+    ps_mode: str = option(
+        "sync", "Parameter-server updates: sync, async or ssp (bounded staleness) (ps)."
+    )
+    staleness: int | None = option(
+        None, "ssp: how many steps a worker may run ahead of the slowest (default 2) (ps)."
+    )
+    backup_workers: int = option(
+        0, "sync: each round takes the first --nproc minus B gradients, drops the rest (ps)."
+    )
+    staleness_lr: bool = option(
+        False,
+        "async/ssp: divide each gradient's learning rate by its staleness (Zhang et al. 2016).",
+        flag="--staleness-aware-lr",
+    )
     extra: dict[str, str] = field(default_factory=dict)
     """Strategy-specific options added by later strategies (not a flag)."""
 
@@ -106,6 +121,40 @@ class Config:
             )
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be positive, got {self.timeout_s}.")
+        self._validate_ps()
+
+    def _validate_ps(self) -> None:
+        modes = ("sync", "async", "ssp")
+        if self.ps_mode not in modes:
+            raise ConfigError(f"--ps-mode must be one of {', '.join(modes)}, got {self.ps_mode!r}.")
+        if self.staleness is not None and self.ps_mode != "ssp":
+            raise ConfigError(
+                f"--staleness bounds how far workers drift apart in --ps-mode ssp, but the mode "
+                f"is {self.ps_mode}; add --ps-mode ssp, or drop --staleness."
+            )
+        if self.staleness is not None and self.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0, got {self.staleness}.")
+        if self.backup_workers and self.ps_mode != "sync":
+            raise ConfigError(
+                "--backup-workers applies to --ps-mode sync (a round takes the first "
+                "gradients); drop it, or use --ps-mode sync."
+            )
+        if not 0 <= self.backup_workers < self.nproc:
+            raise ConfigError(
+                f"--backup-workers must lie in [0, --nproc) so every round keeps at least one "
+                f"gradient; got {self.backup_workers} with --nproc {self.nproc} workers. Lower "
+                "--backup-workers or add workers."
+            )
+        if self.strategy == "ps" and self.servers < 1:
+            raise ConfigError(
+                f"--strategy ps needs at least one server, got --servers {self.servers}; use "
+                "--servers 1 or more."
+            )
+        if self.staleness_lr and self.ps_mode == "sync":
+            raise ConfigError(
+                "--staleness-aware-lr scales the gradients of --ps-mode async or ssp; sync "
+                "gradients are never stale. Drop the flag, or pick async or ssp."
+            )
 
     def replace(self, **changes: object) -> Config:
         """Return a copy with `changes` applied, rejecting unknown option names."""

@@ -295,7 +295,7 @@ class Engine(Checkpointing):
             self.strategy.eval_module(), batches, loss_fn, self.autocast, self.topology.device
         )
         if self.strategy.multiprocess and dist.is_initialized():
-            dist.all_reduce(totals)
+            dist.all_reduce(totals, group=self.strategy.dp_group)
         loss_sum, correct, count = totals.tolist()
         result = {"samples": count}
         if count and loss_fn is not None:
@@ -305,26 +305,28 @@ class Engine(Checkpointing):
         return result
 
     def _gather(self, value: Any) -> list[Any]:
-        """`value` from every rank, in rank order (a list of one in a one-process job)."""
+        """`value` from every data-parallel process, in rank order (one in a one-process job)."""
         if not dist.is_initialized():
             return [value]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, value)
+        group = self.strategy.dp_group
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, value, group=group)
         return everyone
 
     # -- collectives and teardown ---------------------------------------------------------
     def barrier(self) -> None:
         """Wait for every process (no-op in a one-process job)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        group = self.strategy.dp_group
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.barrier(group=group)
 
     def all_reduce_mean(self, value: float) -> float:
         """The mean of `value` over the data-parallel processes."""
         if not (self.strategy.multiprocess and dist.is_initialized()):
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.topology.device)
-        dist.all_reduce(t)
-        return t.item() / dist.get_world_size()
+        dist.all_reduce(t, group=self.strategy.dp_group)
+        return t.item() / dist.get_world_size(self.strategy.dp_group)
 
     def close(self) -> None:
         """Release the strategy's wrappers, then leave the process group.

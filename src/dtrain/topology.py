@@ -110,7 +110,7 @@ def init_process_group(topology: Topology, timeout_s: float) -> None:
             rank=topology.rank,
             world_size=topology.world_size,
             timeout=timeout,
-            device_id=topology.device if topology.device.type == "cuda" else None,
+            device_id=topology.device if topology.backend == "nccl" else None,
         )
     else:
         dist.init_process_group(

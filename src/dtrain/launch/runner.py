@@ -19,7 +19,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,10 +73,11 @@ def launch(config: Config, target: Target) -> None:
     mask_devices(config.devices)
     check_devices(config)
     os.environ[ENV_VAR] = config.to_json()
-    if config.nproc == 1 and config.nnodes == 1 and config.max_restarts == 0:
+    nproc = strategy.processes_per_node(config)
+    if nproc == 1 and config.nnodes == 1 and config.max_restarts == 0:
         _run_here(target)
     else:
-        _run_elastic(config, target)
+        _run_elastic(config, target, nproc)
 
 
 def _run_here(target: Target) -> None:
@@ -142,13 +143,13 @@ def _quiet_agent() -> Iterator[None]:
         agent_log.setLevel(level)
 
 
-def _run_elastic(config: Config, target: Target) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", _threads_per_worker(config.nproc))
+def _run_elastic(config: Config, target: Target, nproc: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", _threads_per_worker(nproc))
     log_dir = tempfile.mkdtemp(prefix="dtrain-agent-")
     launch_config = LaunchConfig(
         min_nodes=config.nnodes,
         max_nodes=config.nnodes,
-        nproc_per_node=config.nproc,
+        nproc_per_node=nproc,
         max_restarts=config.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -160,13 +161,18 @@ def _run_elastic(config: Config, target: Target) -> None:
         with _quiet_agent():
             elastic_launch(launch_config, sys.executable)(*command)
     except ChildFailedError as e:
-        raise LaunchError(format_failures(e.failures)) from None
+        role = lookup(config.strategy).role_of
+        raise LaunchError(format_failures(e.failures, lambda r: role(config, r))) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def format_failures(failures: dict[int, ProcessFailure]) -> str:
+def format_failures(
+    failures: dict[int, ProcessFailure], role: Callable[[int], str] | None = None
+) -> str:
     """One paragraph per failed rank: how it ended and its own traceback or message.
+
+    `role` names what a rank does where the strategy gives ranks roles ("server 0").
 
     When one rank fails the agent stops the others with SIGTERM; those are listed last,
     in one line, so the rank that caused the failure stands first.
@@ -193,8 +199,9 @@ def format_failures(failures: dict[int, ProcessFailure]) -> str:
     parts = []
     for (how, detail), ranks in reports.items():
         if len(ranks) == 1:
-            failure = causes[ranks[0]]
-            who = f"Rank {ranks[0]} (local rank {failure.local_rank}, pid {failure.pid})"
+            rank, failure = ranks[0], causes[ranks[0]]
+            what = f"{role(rank)}, " if role is not None and role(rank) != f"rank {rank}" else ""
+            who = f"Rank {rank} ({what}local rank {failure.local_rank}, pid {failure.pid})"
         else:
             who = f"Ranks {', '.join(map(str, ranks))}"
         parts.append(f"{who} {how}:\n{detail}")

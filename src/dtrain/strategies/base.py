@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -19,7 +20,7 @@ from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.topology import Topology
+from dtrain.topology import Topology, detect
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 
@@ -61,6 +62,21 @@ class Strategy:
             )
 
     @classmethod
+    def processes_per_node(cls, config: Config) -> int:
+        """Processes the launcher starts on each machine (the parameter server adds its own)."""
+        return config.nproc
+
+    @classmethod
+    def role_of(cls, config: Config, rank: int) -> str:
+        """What global `rank` does in this strategy, for failure reports ("rank 3")."""
+        return f"rank {rank}"
+
+    @classmethod
+    def detect_topology(cls, config: Config) -> Topology:
+        """This process's topology (a strategy may place some roles on the CPU)."""
+        return detect(config)
+
+    @classmethod
     def check_options(cls, config: Config) -> None:
         """Reject options this strategy cannot honour (called by `dtrain.init`)."""
         if config.sync_batchnorm and not cls.supports_sync_batchnorm:
@@ -83,6 +99,11 @@ class Strategy:
     def dp_rank(self) -> int:
         """This process's index among the data-parallel processes."""
         return self.topology.rank if self.multiprocess else 0
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The process group of the data-parallel processes (None: the default group)."""
+        return None
 
     @property
     def input_device(self) -> torch.device:
@@ -152,6 +173,11 @@ class Strategy:
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, skipping synchronisation, inside the block."""
         yield
+
+    def report(self) -> dict[str, object]:
+        """Strategy-specific measurements for the run's metrics (call on every rank; the
+        main rank gets them)."""
+        return {}
 
     def close(self) -> None:
         """Release wrappers before the process group is destroyed."""

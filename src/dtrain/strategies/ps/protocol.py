@@ -1,0 +1,128 @@
+"""The messages between workers and servers, on gloo point-to-point send/recv.
+
+Rank layout: the W workers are global ranks 0..W-1 (rank 0 writes checkpoints), the K
+servers the last K ranks, W..W+K-1. Every request starts with a fixed-size float64
+*header* sent on tag HEADER; a server receives headers from any source (gloo's
+``recv`` without ``src``), reads the sender from the header, then receives the payload
+from that sender on tag PAYLOAD. Replies go back on tag REPLY. Per (sender, tag) pair
+gloo delivers in order, so a worker's payloads always follow their headers.
+
+    header = [op, sender, a, b, lr of param group 0, ..., lr of group G-1]
+
+    PUSH      a = bucket index on the server        payload: the bucket's gradients
+    COMMIT    a = version the gradients were computed on; the pull of the next
+              parameters, answered when the mode allows    reply: version, params
+    PULL      the latest parameters now                    reply: version, params
+    GET_STATE                                        reply: optimizer state (bytes)
+    SET_STATE a = bytes                              payload: params + optimizer state
+    STATS                                            reply: float64 counters
+    FINISH    the worker is done; the server exits once every worker is
+"""
+
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.errors import DtrainError
+
+HEADER, PAYLOAD, REPLY = 0, 1, 2
+FIXED_FIELDS = 4
+STATS = (
+    "updates",  # optimizer steps applied
+    "used",  # gradients those steps used
+    "dropped",  # sync: late gradients of a closed round
+    "min_used",  # fewest gradients in one update
+    "max_used",  # most gradients in one update
+    "max_gap",  # largest step gap between a starting worker and the slowest
+    "max_staleness",  # async/ssp: most updates between a gradient's version and its use
+    "staleness_sum",  # async/ssp: sum of the staleness of applied gradients
+    "applied",  # async/ssp: gradients applied one by one
+    "pending",  # sync: gradients waiting in the open round
+)
+
+
+class Op(IntEnum):
+    """Request kinds a worker sends a server."""
+
+    PUSH = 1
+    COMMIT = 2
+    PULL = 3
+    GET_STATE = 4
+    SET_STATE = 5
+    STATS = 6
+    FINISH = 7
+
+
+class ParameterServerError(DtrainError):
+    """A worker or server of the parameter-server job stopped answering, or misbehaved."""
+
+
+def header(
+    op: Op, sender: int, a: float = 0, b: float = 0, lrs: list[float] | None = None, groups: int = 0
+) -> torch.Tensor:
+    """A header tensor of FIXED_FIELDS + `groups` float64 values."""
+    values = [float(op), float(sender), float(a), float(b)]
+    values += list(lrs) if lrs is not None else [0.0] * groups
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    """Wait for a send/recv, turning a timeout or a dead peer into a named error."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise ParameterServerError(
+            f"{what} did not complete within {timeout_s:g}s ({str(e).splitlines()[0]}). The "
+            "peer has probably died; its own error, reported by the launcher, says why. Raise "
+            "--timeout if the job is only slow."
+        ) from None
+
+
+def send(tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+    """Start sending `tensor` (CPU, contiguous) to global rank `dst`."""
+    work = dist.isend(tensor, dst, tag=tag)
+    assert work is not None
+    return work
+
+
+def recv(tensor: torch.Tensor, src: int | None, tag: int) -> dist.Work:
+    """Start receiving into `tensor` from global rank `src` (None: any rank)."""
+    work = dist.irecv(tensor, src, tag=tag)
+    assert work is not None
+    return work
+
+
+def to_bytes(obj: Any) -> torch.Tensor:
+    """Serialise tensors, numbers, strings and containers of them as a uint8 tensor."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def from_bytes(data: torch.Tensor) -> Any:
+    """Inverse of :func:`to_bytes` (loaded with weights_only=True)."""
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+def gather_key(flat_param: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The elements of a flattened parameter that one key carries, concatenated."""
+    if len(ranges) == 1:
+        start, length = ranges[0]
+        return flat_param[start : start + length]
+    return torch.cat([flat_param[start : start + length] for start, length in ranges])
+
+
+def scatter_key(
+    flat_param: torch.Tensor, ranges: tuple[tuple[int, int], ...], values: torch.Tensor
+) -> None:
+    """Write a key's concatenated `values` back into a flattened parameter."""
+    offset = 0
+    for start, length in ranges:
+        flat_param[start : start + length].copy_(values[offset : offset + length])
+        offset += length
