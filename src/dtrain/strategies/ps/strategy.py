@@ -197,15 +197,24 @@ class ParameterServer(Strategy):
         """Return once the servers have taken in every worker's committed steps.
 
         A worker's pull is answered only after its commit was handled, so once every
-        worker has its pull and has passed the barrier, no commit is in flight.
+        worker has its pull and has passed the barrier, no commit is in flight. The pause
+        comes first: with backup workers a round may wait for a gradient that workers
+        standing at this barrier will not send; paused, they let the server drop it.
         """
+        self._client.pause()
         self._client.wait_pulls()
+        dist.barrier(group=self._workers_group)
+
+    def _resume(self) -> None:
+        """End a `_settle`: every server knows every worker steps again before any does."""
+        self._client.pause(False)
         dist.barrier(group=self._workers_group)
 
     def _refresh(self) -> None:
         """Every worker reads the servers' parameters after all committed steps."""
         self._settle()
         self._client.pull_latest()
+        self._resume()
 
     # -- checkpoints -----------------------------------------------------------------------
     def gather_state(self) -> None:
@@ -243,7 +252,7 @@ class ParameterServer(Strategy):
         """Worker 0 sends the loaded parameters and optimizer state to every server."""
         assert self.plan is not None and self.optimizer is not None
         client = self._client
-        client.wait_pulls()
+        self._settle()
         if self.topology.is_main:
             loaded = self.optimizer.loaded_state or {}
             for s, shard in enumerate(self.plan.shards):
@@ -265,7 +274,7 @@ class ParameterServer(Strategy):
                         }
                 client.set_state(s, {"params": flat, "state": states})
         self.optimizer.loaded_state = None
-        dist.barrier(group=self._workers_group)
+        self._resume()
 
     # -- measurements and end --------------------------------------------------------------
     def report(self) -> dict[str, object]:
@@ -273,9 +282,10 @@ class ParameterServer(Strategy):
         if self.client is None or self.plan is None:
             return {}
         self._settle()
-        if not self.topology.is_main:
+        stats = self.client.stats() if self.topology.is_main else []
+        self._resume()
+        if not stats:
             return {}
-        stats = self.client.stats()
         applied = sum(s["applied"] for s in stats)
         return {
             "ps_mode": self.config.ps_mode,
