@@ -27,7 +27,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
 from dtrain.strategies.base import Strategy, register
-from dtrain.strategies.ps import protocol, sharding
+from dtrain.strategies.ps import sharding, state
 from dtrain.strategies.ps.client import Client
 from dtrain.strategies.ps.optimizer import WorkerOptimizer, check_optimizer
 from dtrain.strategies.ps.server import Server
@@ -221,58 +221,18 @@ class ParameterServer(Strategy):
         self._refresh()
 
     def _fetch_state(self) -> dict[int, dict[str, Any]]:
-        """The servers' optimizer state as full tensors, by parameter position."""
+        """The servers' optimizer state as whole tensors, by parameter position."""
         assert self.plan is not None
-        state: dict[int, dict[str, Any]] = {}
-        for shard, per_key in zip(self.plan.shards, self._client.fetch_state(), strict=True):
-            for key_index, values in per_key.items():
-                key = shard.keys[key_index]
-                param = self._client.params[key.param]
-                merged = state.setdefault(key.param, {})
-                for name, value in values.items():
-                    if isinstance(value, torch.Tensor) and value.dim() == 1:
-                        full = merged.setdefault(
-                            name, torch.zeros(param.numel(), dtype=value.dtype)
-                        )
-                        protocol.scatter_key(full, key.ranges, value)
-                    else:
-                        merged[name] = value
-        for index, values in state.items():
-            shape = self._client.params[index].shape
-            for name, value in values.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dim() == 1
-                    and value.numel() == shape.numel()
-                ):
-                    values[name] = value.view(shape)
-        return state
+        return state.merge(self.plan, self._client.params, self._client.fetch_state())
 
     def after_load(self) -> None:
         """Worker 0 sends the loaded parameters and optimizer state to every server."""
         assert self.plan is not None and self.optimizer is not None
-        client = self._client
         self._settle()
         if self.topology.is_main:
             loaded = self.optimizer.loaded_state or {}
             for s, shard in enumerate(self.plan.shards):
-                flat = torch.empty(shard.numel, dtype=client.params[0].dtype)
-                states: dict[int, dict[str, Any]] = {}
-                for i, key in enumerate(shard.keys):
-                    param = client.params[key.param].detach().reshape(-1).cpu()
-                    flat[key.offset : key.offset + key.numel] = protocol.gather_key(
-                        param, key.ranges
-                    )
-                    if key.param in loaded:
-                        states[i] = {
-                            name: protocol.gather_key(v.reshape(-1).cpu(), key.ranges).clone()
-                            if isinstance(v, torch.Tensor)
-                            and v.numel() == param.numel()
-                            and v.dim() > 0
-                            else v
-                            for name, v in loaded[key.param].items()
-                        }
-                client.set_state(s, {"params": flat, "state": states})
+                self._client.set_state(s, state.split(shard, self._client.params, loaded))
         self.optimizer.loaded_state = None
         self._resume()
 
