@@ -7,11 +7,11 @@ configurations alternating, `--repeats` times; medians and ratios are printed.
    PyTorch DDP), same model, data and global batch; samples/s of the whole job.
 2. stragglers: worker 1 slowed 2x (after each step it sleeps as long as the step took;
    a benchmark option, not a product flag). For sync, ssp (s=2) and async: the fast
-   worker's samples/s against its own pace, measured in a run with the same processes
-   where every worker trains alone (no communication, so nobody waits).
-3. bandwidth: one worker and one server, a model of `--mbytes` MB whose compute is
-   negligible; bytes pushed + pulled per second against a plain gloo send/recv of the
-   same bytes, each way, between the same two processes.
+   worker's samples/s against its own pace, measured in a run just before, where both
+   workers train alone (no communication, no server, so nobody waits).
+3. bandwidth: one worker and one server, one parameter of `--mbytes` MB with its
+   gradient set by hand; a push + commit (the server's SGD step) + pull, against a plain
+   gloo send + recv of the same bytes each way between the same two processes.
 
     python benchmarks/ps.py --repeats 3 --steps 150
 """
@@ -138,12 +138,17 @@ def bandwidth_job(args: argparse.Namespace) -> Any:
         model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
     except SystemExit:
         return None
-    batch = (torch.ones(1, 1), torch.ones(1, 1))
+    # The gradient is set by hand, so only the messages and the server's update are timed:
+    # push (the hook's work, called directly), commit (the server's SGD step), pull.
+    (weight,) = model.parameters()
+    weight.grad = torch.ones_like(weight)
+    client = engine.strategy.client
     ps = []
     for _ in range(args.warmup + args.bw_steps):
         began = time.perf_counter()
-        engine.train_step(batch, F.mse_loss)
-        engine.strategy.unwrap()  # wait for the pull: the round trip is complete
+        client.push(0)
+        optimizer.step()
+        client.wait_pulls()
         ps.append(time.perf_counter() - began)
     del model, optimizer
     engine.close()
@@ -201,14 +206,15 @@ def stragglers(args: argparse.Namespace) -> None:
     }
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     for repeat in range(args.repeats):
-        alone = fast_samples_per_second(launch(2, alone_job, args, 1), 1)
         names = list(modes) if repeat % 2 == 0 else list(modes)[::-1]
-        line = [f"alone {alone:,.0f}"]
+        line = []
         for name in names:
+            # The pace alone is measured right before each mode: the machine's load drifts.
+            alone = fast_samples_per_second(launch(2, alone_job, args, 1), 1)
             options = {"strategy": "ps", "nproc": 2, "servers": 1, **modes[name]}
             fast = fast_samples_per_second(launch(3, train_job, options, args, 1), 1)
             ratios[name].append(fast / alone)
-            line.append(f"{name} {fast:,.0f} ({fast / alone:.2f})")
+            line.append(f"{name} {fast:,.0f} / alone {alone:,.0f} = {fast / alone:.2f}")
         print(f"  repeat {repeat}: fast worker samples/s: " + ", ".join(line))
     for name, values in ratios.items():
         print(

@@ -85,12 +85,16 @@ class Client:
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         flat = grad.detach().reshape(-1).to("cpu")
         for server, b, key in self.by_param[index]:
-            staged = self.staging[server][key.offset : key.offset + key.numel]
-            staged.copy_(protocol.gather_key(flat, key.ranges))
+            bucket = self.plan.shards[server].buckets[b]
+            if bucket.numel == key.numel and len(key.ranges) == 1:
+                # A bucket that is one slice of one gradient goes out without a copy.
+                payload = protocol.gather_key(flat, key.ranges)
+            else:
+                staged = self.staging[server][key.offset : key.offset + key.numel]
+                staged.copy_(protocol.gather_key(flat, key.ranges))
+                payload = self.staging[server][bucket.offset : bucket.offset + bucket.numel]
             self.missing[server][b] -= 1
             if self.missing[server][b] == 0:
-                bucket = self.plan.shards[server].buckets[b]
-                payload = self.staging[server][bucket.offset : bucket.offset + bucket.numel]
                 self._request(server, Op.PUSH, b)
                 self.sends.append((protocol.send(payload, self.servers[server], PAYLOAD), payload))
         self.pushed.add(index)
@@ -187,6 +191,15 @@ class Client:
             self._wait_reply(counters, s)
             result.append(dict(zip(protocol.STATS, counters.tolist(), strict=True)))
         return result
+
+    def pause(self, paused: bool = True) -> None:
+        """Tell every server this worker stops stepping (or, with False, steps again).
+
+        Returns once every server has received it (a gloo send completes then).
+        """
+        for s in range(len(self.servers)):
+            self._request(s, Op.PAUSE if paused else Op.RESUME)
+        self._drain_sends()
 
     def finish(self) -> None:
         """Tell every server this worker is done (once)."""

@@ -16,6 +16,8 @@ gloo delivers in order, so a worker's payloads always follow their headers.
     GET_STATE                                        reply: optimizer state (bytes)
     SET_STATE a = bytes                              payload: params + optimizer state
     STATS                                            reply: float64 counters
+    PAUSE     the worker stops stepping for a while (evaluation, checkpoint, report):
+              sync rounds stop counting on its gradient until it sends RESUME
     FINISH    the worker is done; the server exits once every worker is
 """
 
@@ -57,6 +59,8 @@ class Op(IntEnum):
     SET_STATE = 5
     STATS = 6
     FINISH = 7
+    PAUSE = 8
+    RESUME = 9
 
 
 class ParameterServerError(DtrainError):

@@ -74,9 +74,12 @@ class Server:
         self.round_sum = torch.zeros_like(self.flat)
         self.round_count = 0
         self.round_first = 0
+        self.round_members: set[int] = set()
         self.version = 0
         self.clocks = [0] * workers
         self.finished: set[int] = set()
+        self.paused: set[int] = set()
+        """Workers between steps (evaluating, saving): no gradient will come from them."""
         self.waiting: dict[int, int] = {}
         """Gated pulls not yet answered: worker -> the version it needs (sync)."""
         self.sending: list[tuple[protocol.dist.Work, torch.Tensor]] = []
@@ -113,8 +116,10 @@ class Server:
                 self.stats["pending"] = self.round_count
                 counters = [float(self.stats[name]) for name in protocol.STATS]
                 self._send(torch.tensor(counters, dtype=torch.float64), sender)
-            elif op is Op.FINISH:
-                self.finished.add(sender)
+            elif op is Op.RESUME:
+                self.paused.discard(sender)
+            elif op in (Op.FINISH, Op.PAUSE):
+                (self.finished if op is Op.FINISH else self.paused).add(sender)
                 self._maybe_close_round()
             self._answer_pulls()
         self._finish_sends()
@@ -131,6 +136,7 @@ class Server:
                 return
             # The first gradient stays in its receive buffer (its worker waits for this
             # round's update before pushing again); the sum is made from the second on.
+            self.round_members.add(worker)
             if self.round_count == 0:
                 self.round_first = worker
             elif self.round_count == 1:
@@ -159,10 +165,11 @@ class Server:
         if self.mode != "sync" or self.round_count == 0:
             return
         if self._round_impossible():
-            # Too few workers are left to ever fill the round: its gradients are dropped
+            # Too few workers are stepping to fill the round: its gradients are dropped
             # (an update always uses exactly W - B) and waiting pulls get the current version.
             self.stats["dropped"] += self.round_count
             self.round_count = 0
+            self.round_members.clear()
             return
         if self.round_count < self.workers - self.config.backup_workers:
             return
@@ -172,9 +179,14 @@ class Server:
             mean = self.round_sum.div_(self.round_count)
         self._apply(mean, 1.0, used=self.round_count)
         self.round_count = 0
+        self.round_members.clear()
 
     def _round_impossible(self) -> bool:
-        return self.workers - len(self.finished) < self.workers - self.config.backup_workers
+        """Sync: the open round cannot reach W - B gradients any more: its members plus
+        the workers still stepping (not finished or paused) that are not in it are too few."""
+        idle = self.finished | self.paused | self.round_members
+        stepping = self.workers - len(idle)
+        return len(self.round_members) + stepping < self.workers - self.config.backup_workers
 
     def _apply(self, gradient: torch.Tensor, scale: float, used: int) -> None:
         self._finish_sends()  # replies read `flat` in place; the update may not race them

@@ -27,7 +27,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
 from dtrain.strategies.base import Strategy, register
-from dtrain.strategies.ps import protocol, sharding
+from dtrain.strategies.ps import sharding, state
 from dtrain.strategies.ps.client import Client
 from dtrain.strategies.ps.optimizer import WorkerOptimizer, check_optimizer
 from dtrain.strategies.ps.server import Server
@@ -197,15 +197,24 @@ class ParameterServer(Strategy):
         """Return once the servers have taken in every worker's committed steps.
 
         A worker's pull is answered only after its commit was handled, so once every
-        worker has its pull and has passed the barrier, no commit is in flight.
+        worker has its pull and has passed the barrier, no commit is in flight. The pause
+        comes first: with backup workers a round may wait for a gradient that workers
+        standing at this barrier will not send; paused, they let the server drop it.
         """
+        self._client.pause()
         self._client.wait_pulls()
+        dist.barrier(group=self._workers_group)
+
+    def _resume(self) -> None:
+        """End a `_settle`: every server knows every worker steps again before any does."""
+        self._client.pause(False)
         dist.barrier(group=self._workers_group)
 
     def _refresh(self) -> None:
         """Every worker reads the servers' parameters after all committed steps."""
         self._settle()
         self._client.pull_latest()
+        self._resume()
 
     # -- checkpoints -----------------------------------------------------------------------
     def full_state(
@@ -232,60 +241,20 @@ class ParameterServer(Strategy):
         self._refresh()
 
     def _fetch_state(self) -> dict[int, dict[str, Any]]:
-        """The servers' optimizer state as full tensors, by parameter position."""
+        """The servers' optimizer state as whole tensors, by parameter position."""
         assert self.plan is not None
-        state: dict[int, dict[str, Any]] = {}
-        for shard, per_key in zip(self.plan.shards, self._client.fetch_state(), strict=True):
-            for key_index, values in per_key.items():
-                key = shard.keys[key_index]
-                param = self._client.params[key.param]
-                merged = state.setdefault(key.param, {})
-                for name, value in values.items():
-                    if isinstance(value, torch.Tensor) and value.dim() == 1:
-                        full = merged.setdefault(
-                            name, torch.zeros(param.numel(), dtype=value.dtype)
-                        )
-                        protocol.scatter_key(full, key.ranges, value)
-                    else:
-                        merged[name] = value
-        for index, values in state.items():
-            shape = self._client.params[index].shape
-            for name, value in values.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dim() == 1
-                    and value.numel() == shape.numel()
-                ):
-                    values[name] = value.view(shape)
-        return state
+        return state.merge(self.plan, self._client.params, self._client.fetch_state())
 
     def after_load(self) -> None:
         """Worker 0 sends the loaded parameters and optimizer state to every server."""
         assert self.plan is not None and self.optimizer is not None
-        client = self._client
-        client.wait_pulls()
+        self._settle()
         if self.topology.is_main:
             loaded = self.optimizer.loaded_state or {}
             for s, shard in enumerate(self.plan.shards):
-                flat = torch.empty(shard.numel, dtype=client.params[0].dtype)
-                states: dict[int, dict[str, Any]] = {}
-                for i, key in enumerate(shard.keys):
-                    param = client.params[key.param].detach().reshape(-1).cpu()
-                    flat[key.offset : key.offset + key.numel] = protocol.gather_key(
-                        param, key.ranges
-                    )
-                    if key.param in loaded:
-                        states[i] = {
-                            name: protocol.gather_key(v.reshape(-1).cpu(), key.ranges).clone()
-                            if isinstance(v, torch.Tensor)
-                            and v.numel() == param.numel()
-                            and v.dim() > 0
-                            else v
-                            for name, v in loaded[key.param].items()
-                        }
-                client.set_state(s, {"params": flat, "state": states})
+                self._client.set_state(s, state.split(shard, self._client.params, loaded))
         self.optimizer.loaded_state = None
-        dist.barrier(group=self._workers_group)
+        self._resume()
 
     # -- measurements and end --------------------------------------------------------------
     def report(self) -> dict[str, object]:
@@ -293,9 +262,10 @@ class ParameterServer(Strategy):
         if self.client is None or self.plan is None:
             return {}
         self._settle()
-        if not self.topology.is_main:
+        stats = self.client.stats() if self.topology.is_main else []
+        self._resume()
+        if not stats:
             return {}
-        stats = self.client.stats()
         applied = sum(s["applied"] for s in stats)
         return {
             "ps_mode": self.config.ps_mode,
