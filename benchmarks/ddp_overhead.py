@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
-    pairs = launch(args.nproc, worker, args)
+    pairs = launch(args.nproc, worker, args)[0]
     report(
         f"model {args.model}, world size {args.nproc}, global batch {args.global_batch_size}, "
         f"{args.steps} steps per run, {args.repeats} repeats (peer: plain PyTorch DDP)",

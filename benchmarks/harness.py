@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
-def launch(nproc: int, worker: Callable[..., Any], *args: Any) -> Any:
-    """Run worker(*args) on `nproc` local processes; return rank 0's result."""
+def launch(nproc: int, worker: Callable[..., Any], *args: Any) -> list[Any]:
+    """Run worker(*args) on `nproc` local processes; return the results by rank."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -29,7 +29,8 @@ def launch(nproc: int, worker: Callable[..., Any], *args: Any) -> Any:
         max_restarts=0,
         start_method="spawn",
     )
-    return elastic_launch(config, worker)(*args)[0]
+    results = elastic_launch(config, worker)(*args)
+    return [results[rank] for rank in sorted(results)]
 
 
 def timed(batches: Iterable[Any], step: Callable[[Any], Any], warmup: int, steps: int) -> float:

@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import uuid
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ddp_overhead import make_data
+from harness import launch
 from torch import nn
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 import dtrain
 from dtrain.models import build
@@ -154,22 +152,6 @@ def bandwidth_job(args: argparse.Namespace) -> Any:
     engine.close()
     n = args.warmup
     return statistics.median(plain[n:]), statistics.median(ps[n:]), numel * 4
-
-
-def launch(nproc: int, fn: Callable[..., Any], *fn_args: Any) -> list[Any]:
-    """Run fn on `nproc` local processes with the elastic agent; results by rank."""
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        run_id=uuid.uuid4().hex,
-        max_restarts=0,
-        start_method="spawn",
-    )
-    results = elastic_launch(config, fn)(*fn_args)
-    return [results[r] for r in sorted(results)]
 
 
 def job_samples_per_second(results: list[Any]) -> float:

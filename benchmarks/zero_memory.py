@@ -78,7 +78,7 @@ def main() -> None:
         f"{'between':>8} {'peak':>8} {'formula':>8} {'peak/formula':>12}"
     )
     for n in args.worlds:
-        for strategy, ranks in launch(n, worker, args.size).items():
+        for strategy, ranks in launch(n, worker, args.size)[0].items():
             worst = max(ranks, key=peak)
             parts = " ".join(f"{worst[k] / mib:>8.2f}" for k in KEYS)
             between = (worst["parameters"] + worst["gradients"] + worst["optimizer"]) / mib

@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
-    for stage, pairs in launch(args.nproc, worker, args).items():
+    for stage, pairs in launch(args.nproc, worker, args)[0].items():
         report(
             f"{stage}: GPT {args.size}, world size {args.nproc}, global batch "
             f"{args.global_batch_size}, {args.steps} steps per run, {args.repeats} repeats "
