@@ -47,7 +47,7 @@ def add_topology_args(parser: argparse.ArgumentParser) -> None:
         )
         if f.name == "devices":
             convert = _device_list
-        if f.name == "blocks":
+        if f.name in ("blocks", "split_points"):
             convert = _name_list
         help_text = f.metadata["help"]
         if f.name == "strategy":

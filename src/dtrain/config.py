@@ -17,6 +17,8 @@ from dtrain.errors import ConfigError
 
 ENV_VAR = "DTRAIN_CONFIG"
 PRECISIONS = ("fp32", "bf16-mixed")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DP_MODES = ("ddp", "zero2", "zero3")
 
 
 def option(default: object, help: str, flag: str | None = None) -> object:
@@ -83,6 +85,30 @@ class Config:
         "async/ssp: divide each gradient's learning rate by its staleness (Zhang et al. 2016).",
         flag="--staleness-aware-lr",
     )
+    pp: int | None = option(
+        None, "Pipeline stages (pipeline, hybrid; default: --nproc for pipeline, else 1)."
+    )
+    tp: int | None = option(
+        None, "Tensor-parallel ranks per layer (tensor, hybrid; default: --nproc for tensor)."
+    )
+    dp: int | None = option(
+        None, "Data-parallel replicas (hybrid; default: --nproc / (pp x tp))."
+    )
+    dp_mode: str = option(
+        "ddp", "How hybrid's data-parallel replicas synchronise: ddp, zero2 or zero3."
+    )
+    microbatches: int | None = option(
+        None, "Micro-batches per pipeline step (default: max(4, stages)); 1 is the naive split."
+    )
+    schedule: str = option("1f1b", "Pipeline schedule: gpipe, 1f1b or interleaved.")
+    virtual_stages: int | None = option(
+        None, "Stages per pipeline rank for --schedule interleaved (default 2)."
+    )
+    split_points: list[str] | None = option(
+        None,
+        "Comma-separated layer names that begin a pipeline stage (default: balanced by "
+        "parameter count).",
+    )
     extra: dict[str, str] = field(default_factory=dict)
     """Strategy-specific options added by later strategies (not a flag)."""
 
@@ -122,6 +148,7 @@ class Config:
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be positive, got {self.timeout_s}.")
         self._validate_ps()
+        self._validate_model_parallel()
 
     def _validate_ps(self) -> None:
         modes = ("sync", "async", "ssp")
@@ -155,6 +182,28 @@ class Config:
                 "--staleness-aware-lr scales the gradients of --ps-mode async or ssp; sync "
                 "gradients are never stale. Drop the flag, or pick async or ssp."
             )
+
+    def _validate_model_parallel(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"Unknown --schedule '{self.schedule}'; choose one of {', '.join(SCHEDULES)}."
+            )
+        if self.dp_mode not in DP_MODES:
+            raise ConfigError(
+                f"Unknown --dp-mode '{self.dp_mode}'; choose one of {', '.join(DP_MODES)}."
+            )
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ConfigError(f"--microbatches must be at least 1, got {self.microbatches}.")
+        if self.virtual_stages is not None:
+            if self.schedule != "interleaved":
+                raise ConfigError(
+                    "--virtual-stages places several stages on each pipeline rank, which only "
+                    "--schedule interleaved runs; add it, or drop --virtual-stages."
+                )
+            if self.virtual_stages < 2:
+                raise ConfigError(
+                    f"--virtual-stages must be at least 2, got {self.virtual_stages}."
+                )
 
     def replace(self, **changes: object) -> Config:
         """Return a copy with `changes` applied, rejecting unknown option names."""

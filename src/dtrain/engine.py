@@ -234,12 +234,18 @@ class Engine(Checkpointing):
         parts = zip(torch.tensor_split(inputs, k), torch.tensor_split(targets, k), strict=True)
         for i, (x, y) in enumerate(parts):
             sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
+            weight = x.shape[0] / total
             with sync:
+                if self.strategy.pipelined:
+                    with self.autocast():
+                        value = self.strategy.pipeline_step(x, y, loss_fn)
+                    mean += self._check_loss(value) * weight
+                    continue
                 with self.autocast():
                     loss = loss_fn(self.model(x), y)
                 if measure:  # parameters held between forward and backward
                     held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
-                mean += self._backward(loss * (x.shape[0] / total))
+                mean += self._backward(loss * weight)
         grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
         self.optimizer.step()
         if measure:
@@ -270,11 +276,15 @@ class Engine(Checkpointing):
         self._backward(loss)
 
     def _backward(self, loss: torch.Tensor) -> float:
-        value = loss.item()
+        value = self._check_loss(loss.item())
+        self.strategy.backward(loss)
+        return value
+
+    def _check_loss(self, value: float) -> float:
+        """`value`, recorded as the last loss; an error naming the step if not finite."""
         if not math.isfinite(value):
             raise NonFiniteLossError(self.step + 1, value)
         self._last_loss = value
-        self.strategy.backward(loss)
         return value
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

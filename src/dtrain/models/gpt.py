@@ -99,26 +99,72 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Embeddings(nn.Module):
+    """Token ids (N, T) -> token + learned position embeddings (N, T, dim)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(config.vocab_size, config.dim)
+        self.pos = nn.Embedding(config.context, config.dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(N, T) token ids -> (N, T, dim)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(positions)
+
+
+class OutputHead(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(config.dim)
+        self.proj = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, T, dim) -> (N, T, vocab)."""
+        return self.proj(self.ln(x))
+
+
 class GPT(nn.Module):
-    """Token + position embeddings, `layers` blocks, final LayerNorm, output head."""
+    """Embeddings, `layers` blocks, output head: a composition of its `pipeline_layers`."""
 
     def __init__(self, config: GPTConfig | None = None) -> None:
         super().__init__()
         self.config = config or GPTConfig()
         c = self.config
-        self.tok_emb = nn.Embedding(c.vocab_size, c.dim)
-        self.pos_emb = nn.Embedding(c.context, c.dim)
+        self.embed = Embeddings(c)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.ln_f = nn.LayerNorm(c.dim)
-        self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.head = OutputHead(c)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(N, T) token ids -> (N, T, vocab) logits."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(x)
+
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """The forward as a chain of (name, module): what pipeline parallelism splits."""
+        blocks = [(f"blocks.{i}", block) for i, block in enumerate(self.blocks)]
+        return [("embed", self.embed), *blocks, ("head", self.head)]
+
+    def tensor_parallel_plan(self, degree: int) -> dict[str, str]:
+        """Megatron-style sharding of every block over `degree` ranks (Shoeybi et al. 2019).
+
+        q, k, v and the MLP's up projection are split by output columns (whole heads per
+        rank), the attention output and MLP down projection by input rows, so each block
+        needs one all-reduce forward and one backward per sub-layer.
+        """
+        c = self.config
+        if c.heads % degree or (4 * c.dim) % degree:
+            raise ValueError(
+                f"tensor parallelism over {degree} ranks splits the {c.heads} attention heads "
+                f"and the {4 * c.dim} MLP channels evenly; pick a degree that divides both"
+            )
+        plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise"}
+        plan |= {"attn.out": "rowwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
+        return {f"blocks.*.{path}": style for path, style in plan.items()}
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ mechanics that are the same for all of them (micro-batching, loss checks, steppi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -114,6 +114,23 @@ class Strategy:
     def micro_splits(self) -> int:
         """How many equal parts one process's batch is further split into (towers)."""
         return 1
+
+    @property
+    def pipelined(self) -> bool:
+        """True if a schedule runs forward and backward (see :meth:`pipeline_step`)."""
+        return False
+
+    def pipeline_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    ) -> float:
+        """Forward and backward of one batch through a pipeline; its mean loss on every rank.
+
+        Only strategies whose `pipelined` is True implement it.
+        """
+        raise NotImplementedError(f"strategy {self.name} does not run a pipeline schedule")
 
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None

@@ -18,21 +18,14 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
-from dtrain.checkpoint.format import check_fit, expected_shapes
 from dtrain.errors import ConfigError
 from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.blocks import find_blocks
+from dtrain.strategies.dcp_state import gather_full_state, load_full_state
 from dtrain.strategies.rebuild import group_names, rebuild
 
 
@@ -96,14 +89,10 @@ class FullyShardedBase(Strategy):
         self, optimizer: Optimizer | None
     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
         assert self.model is not None
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        tensors = get_model_state_dict(self.model, options=options)
-        optimizer_state = (
-            get_optimizer_state_dict(self.model, optimizer, options=options) if optimizer else None
-        )
+        tensors, optimizer_state = gather_full_state(self.model, optimizer, main_only=True)
         if not self.topology.is_main:
             return None, None
-        return {k: v.contiguous() for k, v in tensors.items()}, optimizer_state
+        return tensors, optimizer_state
 
     def load_full_state(
         self,
@@ -113,13 +102,7 @@ class FullyShardedBase(Strategy):
         strict: bool,
     ) -> list[str]:
         assert self.model is not None
-        skipped = check_fit(expected_shapes(self.model), tensors, strict)
-        usable = {k: v for k, v in tensors.items() if k not in skipped}
-        options = StateDictOptions(full_state_dict=True, strict=not skipped)
-        set_model_state_dict(self.model, usable, options=options)
-        if optimizer is not None and optimizer_state is not None:
-            set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
-        return skipped
+        return load_full_state(self.model, tensors, optimizer, optimizer_state, strict)
 
 
 @register

@@ -1,0 +1,125 @@
+"""Run pipeline stages under a `torch.distributed.pipelining` schedule.
+
+GPipe (Huang et al. 2019) runs every micro-batch's forward, then every backward: the
+bubble is (P-1)/(M+P-1) of the step and all M micro-batches' activations are alive at
+once. 1F1B (PipeDream-Flush, Narayanan et al. 2021) has the same bubble but alternates
+forward and backward once the pipe is full, so a stage holds at most P micro-batches of
+activations. Interleaved 1F1B gives each rank V stages and cuts the bubble by V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from dtrain.errors import ConfigError, SetupError
+from dtrain.parallel.relay import relay_forward
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_schedule(schedule: str, microbatches: int, pp: int) -> None:
+    """Refuse micro-batch counts the schedule cannot run, before any process starts."""
+    if schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(
+            f"--schedule 1f1b needs at least one micro-batch per stage (--microbatches >= "
+            f"--pp {pp}), got {microbatches}; raise --microbatches, or use --schedule gpipe "
+            "(which runs any count, 1 being the naive split)."
+        )
+    if schedule == "interleaved":
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ConfigError(
+                f"--schedule interleaved runs micro-batches in rounds of --pp {pp}; "
+                f"--microbatches {microbatches} does not fill whole rounds. Use a multiple "
+                f"of {pp}."
+            )
+
+
+class Pipeline:
+    """This rank's stages of a P-rank pipeline and the schedule that drives them."""
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        num_stages: int,
+        schedule: str,
+        microbatches: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.modules = stages
+        self.num_stages = num_stages
+        self.microbatches = microbatches
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
+        self.has_last = (num_stages - 1) in stages
+        self._loss_fn: LossFn | None = None
+        pipe_stages = [
+            PipelineStage(module, index, num_stages, device, group=group)
+            for index, module in sorted(stages.items())
+        ]
+        # Each micro-batch's loss is divided by M here (not by the schedule afterwards) so
+        # gradients accumulated over several steps are never rescaled.
+        options = {"loss_fn": self._scaled_loss, "scale_grads": False}
+        if schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(pipe_stages, microbatches, **options)
+        else:
+            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.schedule = kind(pipe_stages[0], microbatches, **options)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target) / self.microbatches
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float:
+        """Forward and backward of one batch through every stage; the batch's mean loss,
+        on every rank of the pipeline."""
+        if inputs.shape[0] % self.microbatches:
+            raise SetupError(
+                f"A batch of {inputs.shape[0]} sample(s) cannot be cut into --microbatches "
+                f"{self.microbatches} equal micro-batches; use a per-worker batch size "
+                "divisible by the micro-batch count."
+            )
+        self._loss_fn = loss_fn
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs, target=targets, losses=losses)
+        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        if self.has_last:
+            total += sum(loss.detach().double() for loss in losses)
+        dist.broadcast(total, src=self.last_rank, group=self.group)
+        return total.item()
+
+
+class PipelineModel(nn.Module):
+    """What `engine.setup` returns under a pipeline: this rank's layers (``local``, with
+    canonical names) and a forward that relays a batch through all stages, for evaluation.
+
+    Training goes through `engine.train_step`, whose schedule runs forward and backward.
+    """
+
+    def __init__(self, local: nn.Module, pipeline: Pipeline) -> None:
+        super().__init__()
+        self.local = local
+        self.pipeline = pipeline
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's output for `x`, on every rank (no gradient)."""
+        if torch.is_grad_enabled():
+            raise SetupError(
+                "Under a pipeline, forward and backward of training run inside "
+                "engine.train_step(batch, loss_fn); call the model directly only under "
+                "torch.no_grad() (evaluation), or use engine.evaluate."
+            )
+        p = self.pipeline
+        return relay_forward(x, p.modules, p.num_stages, p.group)

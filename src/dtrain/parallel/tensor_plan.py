@@ -1,0 +1,71 @@
+"""Tensor parallelism plans: which Linear layers split by columns and which by rows.
+
+A model gives its plan with a ``tensor_parallel_plan(degree)`` method returning
+``{module path: style}``; paths may hold ``*`` wildcards (``blocks.*.mlp.up``) and a
+style is "colwise", "rowwise" or any `torch.distributed.tensor.parallel.ParallelStyle`.
+A column-split layer's output channels are divided over the ranks, a row-split layer's
+input channels; pairing them (colwise then rowwise) needs one all-reduce per pair.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
+
+from dtrain.errors import ConfigError
+
+STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def plan_of(model: nn.Module, degree: int) -> dict[str, ParallelStyle]:
+    """`model`'s plan for `degree` ranks, checked: every path matches a module and every
+    split dimension divides by `degree`."""
+    method = getattr(model, "tensor_parallel_plan", None)
+    if not callable(method):
+        raise ConfigError(
+            f"Tensor parallelism needs a plan saying which layers to split, and "
+            f"{type(model).__name__} has none. Add `def tensor_parallel_plan(self, degree): "
+            "return {'blocks.*.mlp.up': 'colwise', 'blocks.*.mlp.down': 'rowwise', ...}` to "
+            "the model (see docs/strategies.md, tensor)."
+        )
+    try:
+        raw = method(degree)
+    except ValueError as e:
+        raise ConfigError(f"--tp {degree} does not fit {type(model).__name__}: {e}.") from None
+    plan: dict[str, ParallelStyle] = {}
+    for path, style in raw.items():
+        if isinstance(style, str):
+            if style not in STYLES:
+                raise ConfigError(
+                    f"Unknown tensor-parallel style {style!r} for {path}; use one of "
+                    f"{', '.join(STYLES)} or a ParallelStyle object."
+                )
+            style = STYLES[style]()
+        matches = [(n, m) for n, m in model.named_modules() if fnmatch(n, path)]
+        if not matches:
+            raise ConfigError(f"The tensor-parallel plan names {path!r}, which matches no module.")
+        for name, module in matches:
+            _check_divisible(name, module, style, degree)
+        plan[path] = style
+    return plan
+
+
+def _check_divisible(name: str, module: nn.Module, style: ParallelStyle, degree: int) -> None:
+    if not isinstance(module, nn.Linear):
+        return
+    size, what = (
+        (module.out_features, "output features")
+        if isinstance(style, ColwiseParallel)
+        else (module.in_features, "input features")
+    )
+    if size % degree:
+        raise ConfigError(
+            f"{name} has {size} {what}, which --tp {degree} cannot split evenly; pick a "
+            "degree that divides the hidden sizes and the number of attention heads."
+        )

@@ -1,0 +1,82 @@
+"""Whole (unsharded) model and optimizer state of modules holding DTensor parameters.
+
+FSDP2, tensor parallelism and their mixes keep parameters and optimizer state as DTensors;
+`torch.distributed.checkpoint.state_dict` gathers them into whole tensors under canonical
+names and scatters whole tensors back. A pipeline stage holds only some of the model's
+names, so loading takes the subset the module has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
+
+from dtrain.checkpoint.format import check_fit, expected_shapes
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) else value
+
+
+def gather_full_state(
+    module: nn.Module, optimizer: Optimizer | None, main_only: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """`module`'s whole tensors and name-keyed optimizer state, on the CPU (a collective
+    over the ranks sharing its DTensors). With `main_only`, ranks other than global rank
+    0 get empty dictionaries (less memory); otherwise every rank gets everything."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=main_only)
+    tensors = tree_map(_to_cpu, get_model_state_dict(module, options=options))
+    optimizer_state = (
+        tree_map(_to_cpu, get_optimizer_state_dict(module, optimizer, options=options))
+        if optimizer is not None
+        else None
+    )
+    return tensors, optimizer_state
+
+
+def restrict(optimizer_state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The part of a name-keyed optimizer state that concerns parameters in `names`."""
+    return {
+        "state": {k: v for k, v in optimizer_state["state"].items() if k in names},
+        "param_groups": [
+            {**group, "params": [n for n in group["params"] if n in names]}
+            for group in optimizer_state["param_groups"]
+        ],
+    }
+
+
+def load_full_state(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    optimizer: Optimizer | None,
+    optimizer_state: dict[str, Any] | None,
+    strict: bool,
+    whole_model: dict[str, torch.Size] | None = None,
+) -> list[str]:
+    """Scatter whole `tensors` (and optimizer state) into `module`'s DTensors.
+
+    `whole_model` gives the whole model's shapes when `module` holds a part of it (a
+    pipeline stage): the checkpoint is checked against the whole, then the part loaded.
+    Returns the names skipped with strict=False.
+    """
+    here = expected_shapes(module)
+    skipped = check_fit(whole_model or here, tensors, strict)
+    usable = {k: v for k, v in tensors.items() if k in here and k not in skipped}
+    options = StateDictOptions(full_state_dict=True, strict=not skipped)
+    set_model_state_dict(module, usable, options=options)
+    if optimizer is not None and optimizer_state is not None:
+        names = {n for n, _ in module.named_parameters()}
+        part = restrict(optimizer_state, names) if whole_model else optimizer_state
+        set_optimizer_state_dict(module, optimizer, part, options=options)
+    return skipped

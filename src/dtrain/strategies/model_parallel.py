@@ -1,0 +1,293 @@
+"""`pipeline`, `tensor` and `hybrid`: model parallelism over a named dp x pp x tp DeviceMesh.
+
+- tensor (``--tp T``): the model's plan shards its layers over T ranks (DTensor
+  `parallelize_module`); every rank sees the whole batch.
+- pipeline (``--pp P``): the model's chain of layers is cut into P stages (or P x V with
+  ``--schedule interleaved``) run by a `torch.distributed.pipelining` schedule over
+  ``--microbatches M``.
+- hybrid: both, with ``dp = nproc / (pp x tp)`` data-parallel replicas of the whole
+  arrangement, synchronised like ddp (``replicate``) or sharded like zero2/zero3
+  (``fully_shard``) on the mesh's dp dimension (``--dp-mode``).
+
+Checkpoints hold the whole model under canonical names, gathered from every stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.optim import Optimizer
+
+from dtrain.checkpoint.format import expected_shapes
+from dtrain.config import Config
+from dtrain.errors import ConfigError, SetupError
+from dtrain.parallel.degrees import Degrees, degrees_for
+from dtrain.parallel.pipeline import LossFn, Pipeline, PipelineModel, check_schedule
+from dtrain.parallel.split import Stage, layers_of, split_layers
+from dtrain.parallel.tensor_plan import plan_of
+from dtrain.strategies.base import Strategy, register
+from dtrain.strategies.blocks import find_blocks
+from dtrain.strategies.dcp_state import gather_full_state, load_full_state
+from dtrain.strategies.rebuild import group_names, rebuild
+from dtrain.topology import Topology
+
+
+class ModelParallel(Strategy):
+    """Shared by pipeline, tensor and hybrid; the subclasses differ in which degrees they take."""
+
+    multiprocess = True
+
+    def __init__(self, config: Config, topology: Topology) -> None:
+        super().__init__(config, topology)
+        self.degrees = self.layout(config, topology.world_size)
+        self.mesh = self.degrees.mesh(topology.device.type)
+        self.local: nn.Module | None = None
+        """This rank's part of the model, under canonical names."""
+        self.pipeline: Pipeline | None = None
+        self._whole: dict[str, torch.Size] = {}
+
+    # -- layout ---------------------------------------------------------------------------
+    @classmethod
+    def layout(cls, config: Config, world_size: int) -> Degrees:
+        """The degrees for `config` on `world_size` processes, checked (a ConfigError
+        naming the fix otherwise)."""
+        degrees = degrees_for(cls.name, world_size, config.dp, config.pp, config.tp)
+        if degrees.pp == 1:
+            given = [
+                flag
+                for flag, value in (
+                    ("--microbatches", config.microbatches),
+                    ("--split-points", config.split_points),
+                    ("--virtual-stages", config.virtual_stages),
+                )
+                if value
+            ]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} shape a pipeline, but this layout has one stage "
+                    f"({degrees.describe()}); add --pp, or drop {', '.join(given)}."
+                )
+            return degrees
+        if config.grad_accumulation > 1:
+            raise ConfigError(
+                "A pipeline already accumulates gradients over its micro-batches; instead of "
+                f"--grad-accumulation {config.grad_accumulation}, raise --microbatches."
+            )
+        check_schedule(config.schedule, cls.microbatches(config, degrees), degrees.pp)
+        return degrees
+
+    @staticmethod
+    def microbatches(config: Config, degrees: Degrees) -> int:
+        """Micro-batches per step: --microbatches, or max(4, stages)."""
+        return config.microbatches or max(4, degrees.pp)
+
+    @staticmethod
+    def virtual_stages(config: Config) -> int:
+        """Stages per pipeline rank: --virtual-stages (default 2) when interleaved, else 1."""
+        return (config.virtual_stages or 2) if config.schedule == "interleaved" else 1
+
+    @classmethod
+    def check_launch(cls, config: Config) -> None:
+        super().check_launch(config)
+        cls.layout(config, config.nproc * config.nnodes)
+
+    @property
+    def dp_size(self) -> int:
+        return self.degrees.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("dp")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.degrees.pp > 1
+
+    # -- setup ----------------------------------------------------------------------------
+    def setup(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
+        names = group_names(optimizer, model) if optimizer is not None else []
+        device = self.topology.device
+        model = model.to(device)
+        d = self.degrees
+        if d.tp > 1:
+            parallelize_module(model, self.mesh["tp"], plan_of(model, d.tp))
+        self._whole = expected_shapes(model)
+        if d.pp > 1:
+            stages = self._split(model)
+            units = list(stages.values())
+            self.local = Stage([layer for s in sorted(stages) for layer in stages[s].layers])
+        else:
+            units = [model]
+            self.local = model
+        if d.dp > 1:
+            self._replicate(units)
+        if d.pp > 1:
+            self.pipeline = Pipeline(
+                stages,
+                d.pp * self.virtual_stages(self.config),
+                self.config.schedule,
+                self.microbatches(self.config, d),
+                self.mesh.get_group("pp"),
+                device,
+            )
+            self.model = PipelineModel(self.local, self.pipeline)
+        else:
+            self.model = model
+        if optimizer is None:
+            return self.model, None
+        here = {n for n, _ in self.local.named_parameters()}
+        mine = [[n for n in group if n in here] for group in names]
+        return self.model, rebuild(optimizer, mine, self.local)
+
+    def _split(self, model: nn.Module) -> dict[int, Stage]:
+        """This rank's stages: s = pp_rank, pp_rank + P, ... of P x V balanced stages."""
+        pp = self.degrees.pp
+        count = pp * self.virtual_stages(self.config)
+        groups = split_layers(layers_of(model), count, self.config.split_points)
+        return {s: Stage(groups[s]) for s in range(self.mesh.get_local_rank("pp"), count, pp)}
+
+    def _replicate(self, units: list[nn.Module]) -> None:
+        """Data parallelism over the mesh's dp dimension, block by block, then each unit."""
+        mode = self.config.dp_mode
+        mesh = self.mesh["dp"]
+        if mode == "ddp":
+            wrap = partial(replicate, mesh=mesh)
+        else:
+            wrap = partial(fully_shard, mesh=mesh, reshard_after_forward=mode == "zero3")
+        for unit in units:
+            if isinstance(unit, Stage):
+                inner = [unit.get_submodule(name) for name in unit.layer_names]
+            else:
+                inner = find_blocks(unit, self.config.blocks)
+            for block in inner:
+                if any(p.requires_grad for p in block.parameters()):
+                    wrap(block)
+            wrap(unit)
+
+    # -- training -------------------------------------------------------------------------
+    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float:
+        assert self.pipeline is not None
+        return self.pipeline.step(inputs, targets, loss_fn)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.pipelined:
+            raise SetupError(
+                "Under a pipeline the schedule runs backward itself; train with "
+                "engine.train_step(batch, loss_fn) instead of engine.backward(loss)."
+            )
+        loss.backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the last micro-batch synchronises over dp."""
+        sync = getattr(self.model, "set_requires_gradient_sync", None)
+        if sync is None:
+            yield
+            return
+        sync(False)
+        try:
+            yield
+        finally:
+            sync(True)
+
+    def unwrap(self) -> nn.Module:
+        assert self.local is not None
+        return self.local
+
+    def eval_module(self) -> nn.Module:
+        assert self.model is not None
+        return self.model
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def full_state(
+        self, optimizer: Optimizer | None
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        assert self.local is not None
+        tensors, optimizer_state = gather_full_state(self.local, optimizer, main_only=False)
+        if self.degrees.pp == 1:
+            return (tensors, optimizer_state) if self.topology.is_main else (None, None)
+        # One rank per stage (dp 0, tp 0) sends its part to the main rank.
+        first = self.mesh.get_local_rank("dp") == 0 and self.mesh.get_local_rank("tp") == 0
+        part = (tensors, optimizer_state) if first else None
+        parts: list[Any] = [None] * self.topology.world_size if self.topology.is_main else []
+        dist.gather_object(part, parts if self.topology.is_main else None, dst=0)
+        if not self.topology.is_main:
+            return None, None
+        return _merge([p for p in parts if p is not None])
+
+    def load_full_state(
+        self,
+        tensors: dict[str, torch.Tensor],
+        optimizer: Optimizer | None,
+        optimizer_state: dict[str, Any] | None,
+        strict: bool,
+    ) -> list[str]:
+        assert self.local is not None
+        return load_full_state(
+            self.local, tensors, optimizer, optimizer_state, strict, whole_model=self._whole
+        )
+
+    def close(self) -> None:
+        self.pipeline = None
+        self.local = None
+        super().close()
+
+
+def _merge(
+    parts: list[tuple[dict[str, torch.Tensor], dict[str, Any] | None]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The whole model and optimizer state from the stages' parts."""
+    tensors = {k: v for part, _ in parts for k, v in part.items()}
+    states = [state for _, state in parts if state is not None]
+    if not states:
+        return tensors, None
+    groups = [dict(group, params=[]) for group in states[0]["param_groups"]]
+    for state in states:
+        for merged, group in zip(groups, state["param_groups"], strict=True):
+            merged["params"] += group["params"]
+    return tensors, {
+        "state": {k: v for s in states for k, v in s["state"].items()},
+        "param_groups": groups,
+    }
+
+
+@register
+class PipelineParallel(ModelParallel):
+    """Layers cut into --pp stages, micro-batches pipelined through them."""
+
+    name = "pipeline"
+    summary = "layers split into --pp stages, micro-batches pipelined (GPipe, 1F1B, interleaved)"
+    order = 40
+
+
+@register
+class TensorParallel(ModelParallel):
+    """Each layer's weight matrices split over --tp ranks (Megatron-style)."""
+
+    name = "tensor"
+    summary = "each layer's matrices split over --tp ranks (DTensor)"
+    order = 41
+
+
+@register
+class Hybrid(ModelParallel):
+    """Data x pipeline x tensor parallelism over one named DeviceMesh."""
+
+    name = "hybrid"
+    summary = "dp x pp x tp over one DeviceMesh (--dp-mode ddp, zero2 or zero3 on dp)"
+    order = 42
