@@ -80,7 +80,7 @@ def test_unknown_strategy_lists_the_known_ones(tmp_path: Path) -> None:
         ),
         (
             ("--strategy", "towers", "--towers", "3", "--global-batch-size", "64"),
-            "does not split evenly into 3 tower(s)",
+            "does not split evenly into 3 part(s)",
         ),
         (("--strategy", "single", "--nproc", "2"), "runs in one process"),
     ],

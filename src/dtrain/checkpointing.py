@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from dtrain import checkpoint, rng
 from dtrain.checkpoint.plain import read_model_state
@@ -107,9 +108,11 @@ class Checkpointing:
         self._resume_at = (self.epoch, int(trainer.get("samples_in_epoch", 0)))
         rng_states = trainer.get("rng_per_rank") or []
         if rng_states:
-            # Same data-parallel size: every rank continues its own streams; else rank 0's.
-            same = len(rng_states) == self.dp_size and self.strategy.dp_rank < len(rng_states)
-            rng.set_state(rng_states[self.strategy.dp_rank if same else 0])
+            # Same number of processes: every rank continues its own streams; else rank 0's.
+            group = self.strategy.train_group
+            ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+            me = dist.get_rank(group) if dist.is_initialized() else 0
+            rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, self.step, self.epoch)
         return manifest
 

@@ -130,7 +130,7 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def check_batch(global_batch: int, dp_size: int, towers: int, grad_accumulation: int) -> int:
+def check_batch(global_batch: int, dp_size: int, splits: int, grad_accumulation: int) -> int:
     """The per-worker batch for `global_batch`; a ConfigError if it does not divide evenly."""
     if global_batch < dp_size:
         raise ConfigError(
@@ -145,12 +145,12 @@ def check_batch(global_batch: int, dp_size: int, towers: int, grad_accumulation:
             f"{(global_batch // dp_size + 1) * dp_size}."
         )
     per_worker = global_batch // dp_size
-    parts = towers * grad_accumulation
+    parts = splits * grad_accumulation
     if per_worker % parts:
         raise ConfigError(
-            f"Each worker's batch of {per_worker} does not split evenly into {towers} tower(s) "
-            f"x {grad_accumulation} micro-batch(es); use a global batch that is a multiple of "
-            f"{dp_size * parts}."
+            f"Each worker's batch of {per_worker} does not split evenly into {splits} part(s) "
+            f"(towers or pipeline micro-batches) x {grad_accumulation} accumulation "
+            f"micro-batch(es); use a global batch that is a multiple of {dp_size * parts}."
         )
     return per_worker
 

@@ -315,18 +315,19 @@ class Engine(Checkpointing):
         return result
 
     def _gather(self, value: Any) -> list[Any]:
-        """`value` from every data-parallel process, in rank order (one in a one-process job)."""
+        """`value` from every process of the training loop, in rank order (one in a
+        one-process job)."""
         if not dist.is_initialized():
             return [value]
-        group = self.strategy.dp_group
+        group = self.strategy.train_group
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, value, group=group)
         return everyone
 
     # -- collectives and teardown ---------------------------------------------------------
     def barrier(self) -> None:
-        """Wait for every process (no-op in a one-process job)."""
-        group = self.strategy.dp_group
+        """Wait for every process of the training loop (no-op in a one-process job)."""
+        group = self.strategy.train_group
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.barrier(group=group)
 

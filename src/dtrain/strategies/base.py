@@ -106,13 +106,20 @@ class Strategy:
         return None
 
     @property
+    def train_group(self) -> dist.ProcessGroup | None:
+        """Every process that runs the training loop (barriers, per-rank records); the
+        data-parallel processes unless model parallelism adds more (None: the default group)."""
+        return self.dp_group
+
+    @property
     def input_device(self) -> torch.device:
         """Where the Engine puts each batch before calling the model."""
         return self.topology.device
 
     @property
     def micro_splits(self) -> int:
-        """How many equal parts one process's batch is further split into (towers)."""
+        """How many equal parts one process's batch is further split into (towers, pipeline
+        micro-batches)."""
         return 1
 
     @property

@@ -113,8 +113,16 @@ class ModelParallel(Strategy):
         return self.mesh.get_group("dp")
 
     @property
+    def train_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    @property
     def pipelined(self) -> bool:
         return self.degrees.pp > 1
+
+    @property
+    def micro_splits(self) -> int:
+        return self.microbatches(self.config, self.degrees) if self.pipelined else 1
 
     # -- setup ----------------------------------------------------------------------------
     def setup(
