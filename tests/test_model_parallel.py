@@ -1,0 +1,88 @@
+"""pipeline, tensor and hybrid train the bundled GPT exactly as one process does, and their
+checkpoints move to and from single."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+from conftest import run_cli
+from distributed import run_ranks
+from torch.testing import assert_close
+from training import train, train_variants
+
+from dtrain.models.gpt import GPT, SIZES
+
+STEPS = 5
+GPT_RUN = {"model_name": "gpt", "steps": STEPS}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """Single-process parameters of the tiny GPT after 5 AdamW steps."""
+    return train(strategy="single", **GPT_RUN)
+
+
+def check_all(results: list[dict], variants: list[dict], expected: dict) -> None:
+    for variant, params in zip(variants, results, strict=True):
+        label = ", ".join(f"{k}={v}" for k, v in variant.items() if k not in GPT_RUN)
+        assert_close(params, expected, msg=lambda m, label=label: f"{label}: {m}")
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_pipeline_schedules_and_tensor_match_single(reference: dict) -> None:
+    variants = [
+        {"strategy": "pipeline", "schedule": schedule, "microbatches": 4, **GPT_RUN}
+        for schedule in ("gpipe", "1f1b", "interleaved")
+    ]
+    variants.append({"strategy": "pipeline", "schedule": "gpipe", "microbatches": 1, **GPT_RUN})
+    variants.append({"strategy": "tensor", **GPT_RUN})
+    check_all(run_ranks(train_variants, 2, variants, timeout=220)[0], variants, reference)
+
+
+@pytest.mark.timeout(240)
+def test_three_stages_match_single(reference: dict) -> None:
+    variants = [
+        {"strategy": "pipeline", "schedule": schedule, "microbatches": 4, **GPT_RUN}
+        for schedule in ("gpipe", "1f1b")
+    ]
+    check_all(run_ranks(train_variants, 3, variants, timeout=220)[0], variants, reference)
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_meshes_at_world_four_match_single(reference: dict) -> None:
+    # 12 samples per step: 6 per replica at dp 2, cut into 3 micro-batches.
+    variants = [
+        {"strategy": "hybrid", "pp": 2, "microbatches": 3, **GPT_RUN},
+        {"strategy": "hybrid", "tp": 2, **GPT_RUN},
+        {"strategy": "hybrid", "pp": 2, "tp": 2, "schedule": "gpipe", "microbatches": 4, **GPT_RUN},
+        {"strategy": "hybrid", "pp": 2, "microbatches": 3, "dp_mode": "zero3", **GPT_RUN},
+        {"strategy": "hybrid", "tp": 2, "dp_mode": "zero2", **GPT_RUN},
+    ]
+    check_all(run_ranks(train_variants, 4, variants, timeout=280)[0], variants, reference)
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_move_between_single_and_pipeline_x_tensor(tmp_path: Path) -> None:
+    start, middle = str(tmp_path / "single-5"), str(tmp_path / "hybrid-10")
+    train(strategy="single", checkpoint_out=start, **GPT_RUN)
+    expected = train(strategy="single", checkpoint_in=start, model_name="gpt", steps=2 * STEPS)
+    # pp2 x tp2 resumes single's model and AdamW state, then writes canonical names...
+    hybrid = {"strategy": "hybrid", "pp": 2, "tp": 2, "checkpoint_in": start}
+    run_ranks(train_variants, 4, [{**hybrid, "checkpoint_out": middle, **GPT_RUN}], timeout=280)
+    plain = GPT(SIZES["tiny"])
+    plain.load_state_dict(safetensors.torch.load_file(Path(middle) / "model.safetensors"))
+    # ...which single resumes in turn, landing where an uninterrupted single run does.
+    resumed = train(strategy="single", checkpoint_in=middle, **GPT_RUN)
+    assert_close(resumed, expected)
+
+
+def test_demo_trains_the_gpt_under_hybrid(tmp_path: Path) -> None:
+    flags = ("--strategy", "hybrid", "--nproc", "4", "--pp", "2", "--tp", "2")
+    proc = run_cli(
+        "demo", "--model", "gpt", "--epochs", "2", *flags, "--out", str(tmp_path), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "test_perplexity" in proc.stdout
+    assert "| hybrid" in proc.stdout
