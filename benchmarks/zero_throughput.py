@@ -9,6 +9,7 @@ dtrain / plain (goal: >= 0.98).
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,12 @@ def make_data(samples: int, context: int) -> TensorDataset:
 
 
 def plain_model(stage: str, size: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model and optimizer a user would set up by hand for `stage`."""
+    """The model and optimizer a user would set up by hand for `stage` (or plain ddp)."""
     torch.manual_seed(0)
     model = build("gpt", size)
+    if stage == "ddp":
+        wrapped = DistributedDataParallel(model)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     if stage == "zero1":
         wrapped = DistributedDataParallel(model)
         optimizer = ZeroRedundancyOptimizer(
@@ -72,9 +76,9 @@ def plain_run(args: argparse.Namespace, stage: str, data: TensorDataset) -> floa
     return args.steps * args.global_batch_size / timed(loader, step, args.warmup, args.steps)
 
 
-def dtrain_run(args: argparse.Namespace, stage: str, data: TensorDataset) -> float:
-    """samples/s of the same job through dtrain (`--strategy stage`)."""
-    engine = dtrain.init(strategy=stage)
+def dtrain_run(args: argparse.Namespace, stage: str, data: TensorDataset, **options: Any) -> float:
+    """samples/s of the same job through dtrain (`--strategy stage`, more `options`)."""
+    engine = dtrain.init(strategy=stage, **options)
     model = build("gpt", args.size)
     model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     loader = engine.dataloader(data, batch_size=args.global_batch_size // engine.dp_size)

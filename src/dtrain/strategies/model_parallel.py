@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from dtrain.checkpoint.format import expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
+from dtrain.observe.logs import LOGGER
 from dtrain.parallel.degrees import Degrees, degrees_for
 from dtrain.parallel.pipeline import LossFn, Pipeline, PipelineModel, check_schedule
 from dtrain.parallel.split import Stage, layers_of, split_layers
@@ -154,6 +155,8 @@ class ModelParallel(Strategy):
                 device,
             )
             self.model = PipelineModel(self.local, self.pipeline)
+            for s, stage in sorted(stages.items()):
+                LOGGER.info("pipeline stage %d: %s", s, ", ".join(stage.layer_names))
         else:
             self.model = model
         if optimizer is None:
@@ -220,6 +223,19 @@ class ModelParallel(Strategy):
     def eval_module(self) -> nn.Module:
         assert self.model is not None
         return self.model
+
+    def report(self) -> dict[str, object]:
+        """The layout, and under a pipeline the schedule and each stage's layers."""
+        out: dict[str, object] = {"layout": self.degrees.describe()}
+        if self.pipeline is None:
+            return out
+        mine = {s: stage.layer_names for s, stage in self.pipeline.modules.items()}
+        everyone: list[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(everyone, mine)
+        stages = {s: names for part in everyone for s, names in part.items()}
+        out["schedule"] = f"{self.config.schedule}, {self.pipeline.microbatches} micro-batches"
+        out["stages"] = " / ".join("+".join(stages[s]) for s in sorted(stages))
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------
     def full_state(
