@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import alternate, launch, report, timed
+from harness import alternate, arguments, launch, report, timed
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -77,14 +77,8 @@ def worker(args: argparse.Namespace) -> list[tuple[float, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser = arguments(__doc__, batch=64, steps=300, warmup=20, repeats=7)
     parser.add_argument("--model", default="cnn")
-    parser.add_argument("--global-batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
     pairs = launch(args.nproc, worker, args)[0]
     report(

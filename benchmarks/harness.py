@@ -7,6 +7,7 @@ figure to read is the median of the per-repeat ratios dtrain / peer.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 import uuid
@@ -15,6 +16,21 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+def arguments(
+    doc: str, batch: int, steps: int, warmup: int, repeats: int | None
+) -> argparse.ArgumentParser:
+    """A parser with the flags every benchmark shares (and --repeats unless None)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--global-batch-size", type=int, default=batch)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    return parser
 
 
 def launch(nproc: int, worker: Callable[..., Any], *args: Any) -> list[Any]:

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from harness import alternate, launch, report
+from harness import alternate, arguments, launch, report
 from zero_throughput import dtrain_run, make_data, plain_run
 
 from dtrain.models import build
@@ -49,15 +49,9 @@ def worker(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser = arguments(__doc__, batch=16, steps=20, warmup=3, repeats=3)
     parser.add_argument("--size", default="small")
-    parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
     for label, pairs in launch(args.nproc, worker, args)[0].items():
         report(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import launch
+from harness import arguments, launch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.utils.data import TensorDataset
@@ -149,14 +149,9 @@ def worker(args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="pipeline stages P")
+    parser = arguments(__doc__, batch=16, steps=6, warmup=2, repeats=None)  # P = --nproc
     parser.add_argument("--size", default="medium")
-    parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
     by_rank = launch(args.nproc, worker, args)
     p = args.nproc

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import alternate, launch, report, timed
+from harness import alternate, arguments, launch, report, timed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -107,14 +107,8 @@ def worker(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser = arguments(__doc__, batch=16, steps=30, warmup=5, repeats=5)
     parser.add_argument("--size", default="small")
-    parser.add_argument("--global-batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
     for stage, pairs in launch(args.nproc, worker, args)[0].items():
         report(

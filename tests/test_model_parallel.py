@@ -3,6 +3,7 @@ checkpoints move to and from single."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,9 +81,14 @@ def test_checkpoints_move_between_single_and_pipeline_x_tensor(tmp_path: Path) -
 
 def test_demo_trains_the_gpt_under_hybrid(tmp_path: Path) -> None:
     flags = ("--strategy", "hybrid", "--nproc", "4", "--pp", "2", "--tp", "2")
+    metrics = tmp_path / "m.json"
     proc = run_cli(
-        "demo", "--model", "gpt", "--epochs", "2", *flags, "--out", str(tmp_path), cwd=tmp_path
-    )
+        "demo", "--model", "gpt", "--epochs", "2", *flags, "--out", str(tmp_path),
+        "--metrics-json", str(metrics), cwd=tmp_path,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "test_perplexity" in proc.stdout
-    assert "| hybrid" in proc.stdout
+    result = json.loads(metrics.read_text())
+    assert result["strategy"] == "hybrid" and result["world_size"] == 4
+    assert result["layout"] == "dp1 x pp2 x tp2"
+    assert result["stages"] == "embed+blocks.0 / blocks.1+head"
+    assert result["test_perplexity"] < 40
