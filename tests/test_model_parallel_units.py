@@ -108,9 +108,11 @@ def test_schedules_refuse_micro_batch_counts_they_cannot_run() -> None:
     with pytest.raises(ConfigError, match="has one stage"):
         Hybrid.layout(Config(strategy="hybrid", microbatches=4), 2)
     with pytest.raises(ConfigError, match="Unknown --schedule 'zb'"):
-        Config(schedule="zb")
+        Config(strategy="pipeline", schedule="zb")
     with pytest.raises(ConfigError, match="only --schedule interleaved runs"):
-        Config(virtual_stages=2)
+        Config(strategy="pipeline", virtual_stages=2)
+    with pytest.raises(ConfigError, match="--pp, --schedule shape model parallelism"):
+        Config(strategy="ddp", pp=2, schedule="gpipe")
 
 
 def test_launcher_refuses_a_layout_before_starting(tmp_path: Path) -> None:

@@ -184,6 +184,24 @@ class Config:
             )
 
     def _validate_model_parallel(self) -> None:
+        if self.strategy not in ("pipeline", "tensor", "hybrid"):
+            options = (
+                ("--pp", self.pp),
+                ("--tp", self.tp),
+                ("--dp", self.dp),
+                ("--microbatches", self.microbatches),
+                ("--virtual-stages", self.virtual_stages),
+                ("--split-points", self.split_points),
+                ("--schedule", None if self.schedule == "1f1b" else self.schedule),
+                ("--dp-mode", None if self.dp_mode == "ddp" else self.dp_mode),
+            )
+            given = [flag for flag, value in options if value is not None]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} shape model parallelism, which --strategy "
+                    f"{self.strategy} does not do; use --strategy pipeline, tensor or hybrid, "
+                    f"or drop {', '.join(given)}."
+                )
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"Unknown --schedule '{self.schedule}'; choose one of {', '.join(SCHEDULES)}."
