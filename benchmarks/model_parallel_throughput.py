@@ -1,6 +1,6 @@
 """samples/s of pipeline (GPipe, 1F1B) and tensor parallelism through dtrain against the
-same GPT under plain PyTorch DDP, in the same processes, alternating; the median ratio
-mode / ddp of each.
+same GPT under plain PyTorch DDP, and of dtrain's 1F1B against 1F1B written by hand on
+torch.distributed.pipelining; in the same processes, alternating; median ratios.
 
 Model parallelism pays for fitting a model that data parallelism cannot hold: a pipeline
 idles for its bubble and sends activations, tensor parallelism all-reduces activations
@@ -13,38 +13,79 @@ figure to beat.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from harness import alternate, arguments, launch, report
+from harness import alternate, arguments, launch, report, timed
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.utils.data import DataLoader, TensorDataset
 from zero_throughput import dtrain_run, make_data, plain_run
 
 from dtrain.models import build
+from dtrain.models.gpt import lm_loss
+from dtrain.parallel.split import layers_of, split_layers
 
 
-def modes(args: argparse.Namespace) -> dict[str, tuple[str, dict]]:
-    """Label -> (strategy, options) of each mode measured."""
+def plain_pipeline_run(args: argparse.Namespace, data: TensorDataset) -> float:
+    """samples/s of 1F1B written by hand on torch.distributed.pipelining (the same cut)."""
+    torch.manual_seed(0)
+    model = build("gpt", args.size)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = split_layers(layers_of(model), world, None)[rank]
+    stage_module = nn.Sequential(*(layer for _, layer in mine))
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, args.microbatches, loss_fn=lm_loss)
+    optimizer = torch.optim.AdamW(stage_module.parameters(), lr=1e-3)
+    loader = DataLoader(data, batch_size=args.global_batch_size, shuffle=True, drop_last=True)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return args.steps * args.global_batch_size / timed(loader, step, args.warmup, args.steps)
+
+
+def runs(args: argparse.Namespace, data: TensorDataset) -> dict[str, tuple[Callable, Callable]]:
+    """Label -> (peer, dtrain) runs of each comparison."""
     m = args.microbatches
+    ddp = partial(plain_run, args, "ddp", data)
+    ours = partial(dtrain_run, args, data=data)
     return {
-        f"pipeline gpipe M={m}": ("pipeline", {"schedule": "gpipe", "microbatches": m}),
-        f"pipeline 1f1b M={m}": ("pipeline", {"schedule": "1f1b", "microbatches": m}),
-        "tensor": ("tensor", {}),
+        f"pipeline gpipe M={m} / ddp": (
+            ddp,
+            partial(ours, "pipeline", schedule="gpipe", microbatches=m),
+        ),
+        f"pipeline 1f1b M={m} / ddp": (
+            ddp,
+            partial(ours, "pipeline", schedule="1f1b", microbatches=m),
+        ),
+        "tensor / ddp": (ddp, partial(ours, "tensor")),
+        f"pipeline 1f1b M={m} / plain torch pipelining": (
+            partial(plain_pipeline_run, args, data),
+            partial(ours, "pipeline", schedule="1f1b", microbatches=m),
+        ),
     }
 
 
 def worker(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
-    """(ddp, mode) samples/s per repeat, for each mode."""
+    """(peer, dtrain) samples/s per repeat, for each comparison."""
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     context = build("gpt", args.size).config.context
     data = make_data((args.warmup + args.steps + 1) * args.global_batch_size, context)
     return {
-        label: alternate(
-            args.repeats,
-            lambda: plain_run(args, "ddp", data),
-            lambda s=strategy, o=options: dtrain_run(args, s, data, **o),
-        )
-        for label, (strategy, options) in modes(args).items()
+        label: alternate(args.repeats, peer, ours)
+        for label, (peer, ours) in runs(args, data).items()
     }
 
 
@@ -57,7 +98,7 @@ def main() -> None:
         report(
             f"{label}: GPT {args.size}, {args.nproc} processes, global batch "
             f"{args.global_batch_size}, {args.steps} steps per run, {args.repeats} repeats "
-            "(peer: plain PyTorch DDP)",
+            "(peer: plain PyTorch)",
             pairs,
         )
 
