@@ -1,7 +1,8 @@
 """The pipeline bubble and activation memory, measured inside dtrain's pipeline.
 
 For each schedule (GPipe, 1F1B) and micro-batch count M, every stage times its own
-compute (each micro-batch's forward and backward) within the schedule's step; the idle
+compute (each micro-batch's forward and backward: dtrain's TimedStage) within the
+schedule's step; the idle
 fraction 1 - compute / step is the bubble, printed beside GPipe's (P-1)/(M+P-1). The
 bytes autograd holds for backward (activations, not weights) are tracked as they are
 saved and freed; their peak per stage shows 1F1B holding at most P - s micro-batches
@@ -15,14 +16,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from harness import arguments, launch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.utils.data import TensorDataset
 
 import dtrain
@@ -31,9 +30,8 @@ from dtrain.models.gpt import lm_loss
 
 
 class Meter:
-    """Compute seconds of this rank's stage, and the activation bytes it holds."""
+    """The activation bytes this rank's stage holds for backward."""
 
-    busy = 0.0
     live: dict[int, list[int]] = {}  # storage address -> [references, bytes]
     held = 0
     peak = 0
@@ -41,7 +39,7 @@ class Meter:
 
     @classmethod
     def reset(cls, model: torch.nn.Module) -> None:
-        cls.busy, cls.live, cls.held, cls.peak = 0.0, {}, 0, 0
+        cls.live, cls.held, cls.peak = {}, 0, 0
         cls.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
@@ -75,26 +73,6 @@ def unpack(saved: Any) -> torch.Tensor:
     return saved.tensor if isinstance(saved, Saved) else saved
 
 
-def instrument(method: Callable[..., Any], track_memory: bool) -> Callable[..., Any]:
-    """`method` of a pipeline stage, timed (and with saved tensors tracked)."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        if track_memory:
-            with saved_tensors_hooks(pack, unpack):
-                result = method(*args, **kwargs)
-        else:
-            result = method(*args, **kwargs)
-        Meter.busy += time.perf_counter() - start
-        return result
-
-    return wrapper
-
-
-_PipelineStageBase.forward_one_chunk = instrument(_PipelineStageBase.forward_one_chunk, True)
-_PipelineStageBase.backward_one_chunk = instrument(_PipelineStageBase.backward_one_chunk, False)
-
-
 def measure(args: argparse.Namespace, schedule: str, m: int, data: TensorDataset) -> dict:
     """Median idle fraction and peak activation MiB of this rank's stage."""
     engine = dtrain.init(strategy="pipeline", schedule=schedule, microbatches=m)
@@ -113,11 +91,16 @@ def measure(args: argparse.Namespace, schedule: str, m: int, data: TensorDataset
         result = run(*a, **kw)
         dist.barrier(group=pipeline.group)
         wall = time.perf_counter() - start
-        idle.append(1 - Meter.busy / wall)
+        busy = sum(stage.take_seconds() for stage in pipeline.stages)
+        idle.append(1 - busy / wall)
         peaks.append(Meter.peak)
         return result
 
     pipeline.schedule.step = timed_step
+    for module in pipeline.modules.values():  # count what each forward saves for backward
+        hooks = saved_tensors_hooks(pack, unpack)
+        module.register_forward_pre_hook(lambda *_, h=hooks: h.__enter__())
+        module.register_forward_hook(lambda *_, h=hooks: h.__exit__(None, None, None))
     loader = engine.dataloader(data, batch_size=args.global_batch_size)
     for i, batch in enumerate(engine.progress(loader, epoch=0)):
         if i == args.warmup + args.steps:
@@ -127,7 +110,7 @@ def measure(args: argparse.Namespace, schedule: str, m: int, data: TensorDataset
     engine.strategy.close()
     return {
         "idle": statistics.median(idle[args.warmup :]),
-        "peak_mib": max(peaks) / 2**20,
+        "peak_mib": max(peaks[args.warmup :]) / 2**20,
     }
 
 

@@ -9,7 +9,9 @@ activations. Interleaved 1F1B gives each rank V stages and cuts the bubble by V.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,45 @@ def check_schedule(schedule: str, microbatches: int, pp: int) -> None:
             )
 
 
+class TimedStage(PipelineStage):
+    """A pipeline stage that adds up the time it computes (each micro-batch's forward and
+    backward), so the idle time of the stage, and any imbalance between stages, can be
+    told apart from its work. On GPUs it records CUDA events, read once a step is over."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _timed(self, run: Callable[[], Any]) -> Any:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = run()
+            end.record()
+            self._events.append((start, end))
+            return result
+        began = time.perf_counter()
+        result = run()
+        self.seconds += time.perf_counter() - began
+        return result
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
+
+    def take_seconds(self) -> float:
+        """Compute seconds since the last call (waits for the GPU's recorded work)."""
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000
+        self._events.clear()
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 class Pipeline:
     """This rank's stages of a P-rank pipeline and the schedule that drives them."""
 
@@ -65,18 +106,21 @@ class Pipeline:
         self.last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
         self.has_last = (num_stages - 1) in stages
         self._loss_fn: LossFn | None = None
-        pipe_stages = [
-            PipelineStage(module, index, num_stages, device, group=group)
+        self.stages = [
+            TimedStage(module, index, num_stages, device, group=group)
             for index, module in sorted(stages.items())
         ]
+        self.compute_seconds = {index: 0.0 for index in stages}
+        """Each of this rank's stages' compute time, summed over the steps."""
+        self.steps = 0
         # Each micro-batch's loss is divided by M here (not by the schedule afterwards) so
         # gradients accumulated over several steps are never rescaled.
         options = {"loss_fn": self._scaled_loss, "scale_grads": False}
         if schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(pipe_stages, microbatches, **options)
+            self.schedule = ScheduleInterleaved1F1B(self.stages, microbatches, **options)
         else:
             kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-            self.schedule = kind(pipe_stages[0], microbatches, **options)
+            self.schedule = kind(self.stages[0], microbatches, **options)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
@@ -98,7 +142,11 @@ class Pipeline:
         if self.has_last:
             total += sum(loss.detach().double() for loss in losses)
         dist.broadcast(total, src=self.last_rank, group=self.group)
-        return total.item()
+        value = total.item()
+        for stage in self.stages:
+            self.compute_seconds[stage.stage_index] += stage.take_seconds()
+        self.steps += 1
+        return value
 
 
 class PipelineModel(nn.Module):

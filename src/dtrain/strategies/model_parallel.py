@@ -225,16 +225,29 @@ class ModelParallel(Strategy):
         return self.model
 
     def report(self) -> dict[str, object]:
-        """The layout, and under a pipeline the schedule and each stage's layers."""
+        """The layout; under a pipeline, the schedule, each stage's layers and its compute
+        time per step (an unbalanced split shows as one stage computing longer)."""
         out: dict[str, object] = {"layout": self.degrees.describe()}
-        if self.pipeline is None:
+        p = self.pipeline
+        if p is None:
             return out
-        mine = {s: stage.layer_names for s, stage in self.pipeline.modules.items()}
+        per_step = 1000 / max(p.steps, 1)
+        mine = {
+            s: (module.layer_names, p.compute_seconds[s] * per_step)
+            for s, module in p.modules.items()
+        }
         everyone: list[Any] = [None] * self.topology.world_size
         dist.all_gather_object(everyone, mine)
-        stages = {s: names for part in everyone for s, names in part.items()}
-        out["schedule"] = f"{self.config.schedule}, {self.pipeline.microbatches} micro-batches"
-        out["stages"] = " / ".join("+".join(stages[s]) for s in sorted(stages))
+        stages: dict[int, tuple[list[str], list[float]]] = {}
+        for part in everyone:
+            for s, (names, ms) in part.items():
+                stages.setdefault(s, (names, []))[1].append(ms)
+        order = sorted(stages)
+        out["schedule"] = f"{self.config.schedule}, {p.microbatches} micro-batches"
+        out["stages"] = " / ".join("+".join(stages[s][0]) for s in order)
+        out["stage_compute_ms"] = " / ".join(
+            f"{sum(stages[s][1]) / len(stages[s][1]):.1f}" for s in order
+        )
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
