@@ -91,4 +91,5 @@ def test_demo_trains_the_gpt_under_hybrid(tmp_path: Path) -> None:
     assert result["strategy"] == "hybrid" and result["world_size"] == 4
     assert result["layout"] == "dp1 x pp2 x tp2"
     assert result["stages"] == "embed+blocks.0 / blocks.1+head"
+    assert all(float(ms) > 0 for ms in result["stage_compute_ms"].split(" / "))
     assert result["test_perplexity"] < 40
