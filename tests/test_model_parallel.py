@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
+import torch
 from conftest import run_cli
 from distributed import run_ranks
 from torch.testing import assert_close
 from training import train, train_variants
 
-from dtrain.models.gpt import GPT, SIZES
+import dtrain
+from dtrain.models.gpt import GPT, SIZES, lm_loss
 
 STEPS = 5
 GPT_RUN = {"model_name": "gpt", "steps": STEPS}
@@ -40,6 +42,33 @@ def test_two_ranks_pipeline_schedules_and_tensor_match_single(reference: dict) -
     variants.append({"strategy": "pipeline", "schedule": "gpipe", "microbatches": 1, **GPT_RUN})
     variants.append({"strategy": "tensor", **GPT_RUN})
     check_all(run_ranks(train_variants, 2, variants, timeout=220)[0], variants, reference)
+
+
+def non_finite_and_reshaped_batches() -> list[str]:
+    """Under a 2-stage pipeline: a NaN loss stops every rank with the gradients cleared,
+    and a batch of another shape than the first is refused. Returns the messages."""
+    engine = dtrain.init(strategy="pipeline", schedule="gpipe", microbatches=2)
+    model = GPT(SIZES["tiny"])
+    engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tokens = torch.randint(0, 256, (4, 9))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    messages = []
+    with pytest.raises(dtrain.NonFiniteLossError) as nan:
+        engine.train_step(batch, lambda out, y: lm_loss(out, y) * float("nan"))
+    assert all(p.grad is None for p in engine.module.parameters())
+    messages.append(str(nan.value))
+    with pytest.raises(dtrain.SetupError) as shape:
+        engine.train_step((batch[0][:2], batch[1][:2]), lm_loss)
+    messages.append(str(shape.value))
+    engine.close()
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_stops_on_a_non_finite_loss_and_a_reshaped_batch() -> None:
+    for messages in run_ranks(non_finite_and_reshaped_batches, 2):
+        assert "nan" in messages[0]
+        assert "fixed at its first step by a batch of shape [4, 8]; got [2, 8]" in messages[1]
 
 
 @pytest.mark.timeout(240)

@@ -17,7 +17,7 @@ from dtrain.parallel.degrees import Degrees, degrees_for
 from dtrain.parallel.pipeline import check_schedule
 from dtrain.parallel.split import Stage, layers_of, partition, split_layers
 from dtrain.parallel.tensor_plan import plan_of
-from dtrain.strategies.model_parallel import Hybrid, PipelineParallel
+from dtrain.strategies.model_parallel import Hybrid, PipelineParallel, TensorParallel
 
 
 def test_partition_minimises_the_largest_stage() -> None:
@@ -100,13 +100,24 @@ def test_degrees_must_multiply_to_nproc() -> None:
 def test_schedules_refuse_micro_batch_counts_they_cannot_run() -> None:
     with pytest.raises(ConfigError, match="--microbatches >= --pp 4"):
         check_schedule("1f1b", 2, 4)
-    with pytest.raises(ConfigError, match="whole rounds"):
+    with pytest.raises(ConfigError, match="in 2 equal rounds"):
         check_schedule("interleaved", 5, 2)
     check_schedule("gpipe", 1, 4)  # the naive split
     with pytest.raises(ConfigError, match="raise --microbatches"):
         PipelineParallel.layout(Config(strategy="pipeline", grad_accumulation=2), 2)
-    with pytest.raises(ConfigError, match="has one stage"):
+    with pytest.raises(ConfigError, match="has one stage .*; add --pp"):
         Hybrid.layout(Config(strategy="hybrid", microbatches=4), 2)
+    with pytest.raises(ConfigError, match="add --strategy hybrid with --pp"):
+        TensorParallel.layout(Config(strategy="tensor", schedule="gpipe"), 2)
+    with pytest.raises(ConfigError, match="--dp-mode zero3 shards over data-parallel replicas"):
+        PipelineParallel.layout(Config(strategy="pipeline", dp_mode="zero3"), 2)
+
+
+def test_the_demo_checks_batches_against_replicas_and_micro_batches() -> None:
+    gpipe = Config(strategy="pipeline", nproc=3, schedule="gpipe", microbatches=4)
+    assert PipelineParallel.batch_layout(gpipe) == (1, 4)
+    assert Hybrid.batch_layout(Config(strategy="hybrid", nproc=4, pp=2)) == (2, 4)
+    assert TensorParallel.batch_layout(Config(strategy="tensor", nproc=2)) == (1, 1)
     with pytest.raises(ConfigError, match="Unknown --schedule 'zb'"):
         Config(strategy="pipeline", schedule="zb")
     with pytest.raises(ConfigError, match="only --schedule interleaved runs"):

@@ -60,7 +60,7 @@ class Checkpointing:
                 **position,
                 "strategy": self.strategy.name,
                 "world_size": self.world_size,
-                "model_class": type(self.strategy.unwrap()).__name__,
+                "model_class": self.strategy.model_class,
                 "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
                 **(extra or {}),
             }

@@ -16,7 +16,6 @@ from dtrain.errors import ConfigError, DtrainError, LaunchError
 from dtrain.launch.runner import Target, launch
 from dtrain.observe.metrics import format_table
 from dtrain.strategies import available, lookup
-from dtrain.strategies.towers import tower_devices
 
 
 def _device_list(text: str) -> list[int]:
@@ -116,11 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_demo_batch(config: Config, args: argparse.Namespace) -> None:
-    strategy = lookup(config.strategy)
-    dp_size = config.nproc * config.nnodes if strategy.multiprocess else 1
-    towers = len(tower_devices(config)[0]) if strategy.name == "towers" else 1
+    dp_size, splits = lookup(config.strategy).batch_layout(config)
     demo.complete_args(args)
-    demo.check_batch(args.global_batch_size, dp_size, towers, config.grad_accumulation)
+    demo.check_batch(args.global_batch_size, dp_size, splits, config.grad_accumulation)
 
 
 def main(argv: list[str] | None = None) -> int:

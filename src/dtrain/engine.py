@@ -239,6 +239,8 @@ class Engine(Checkpointing):
                 if self.strategy.pipelined:
                     with self.autocast():
                         value = self.strategy.pipeline_step(x, y, loss_fn)
+                    if not math.isfinite(value):  # the schedule has run backward already
+                        self.optimizer.zero_grad(set_to_none=True)
                     mean += self._check_loss(value) * weight
                     continue
                 with self.autocast():

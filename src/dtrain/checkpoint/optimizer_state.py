@@ -8,6 +8,7 @@ the names back onto whatever order the reading optimizer has.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,13 +41,24 @@ def _positions_to_names(optimizer: torch.optim.Optimizer, names: dict[int, str])
     return position_names
 
 
-def state_by_name(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
-    """The optimizer's state_dict with parameter positions replaced by canonical names."""
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor | None:
+    return tensor.detach().cpu()
+
+
+def state_by_name(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    to_host: Callable[[torch.Tensor], torch.Tensor | None] = _to_cpu,
+) -> dict[str, Any]:
+    """The optimizer's state_dict with parameter positions replaced by canonical names.
+
+    Each state tensor goes through `to_host` (default: a CPU copy), one at a time.
+    """
     position_names = _positions_to_names(optimizer, parameter_names(model))
     raw = optimizer.state_dict()
     state = {
         position_names[pos]: {
-            k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in value.items()
+            k: to_host(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()
         }
         for pos, value in raw["state"].items()
     }

@@ -41,9 +41,9 @@ def check_schedule(schedule: str, microbatches: int, pp: int) -> None:
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             raise ConfigError(
-                f"--schedule interleaved runs micro-batches in rounds of --pp {pp}; "
-                f"--microbatches {microbatches} does not fill whole rounds. Use a multiple "
-                f"of {pp}."
+                f"--schedule interleaved runs --microbatches {microbatches} in "
+                f"{rounds} equal rounds (max(1, M // --pp {pp})), which they do not divide "
+                f"into; use a multiple of {pp}."
             )
 
 
@@ -106,6 +106,7 @@ class Pipeline:
         self.last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
         self.has_last = (num_stages - 1) in stages
         self._loss_fn: LossFn | None = None
+        self._shape: torch.Size | None = None
         self.stages = [
             TimedStage(module, index, num_stages, device, group=group)
             for index, module in sorted(stages.items())
@@ -135,9 +136,20 @@ class Pipeline:
                 f"{self.microbatches} equal micro-batches; use a per-worker batch size "
                 "divisible by the micro-batch count."
             )
+        if self._shape is None:
+            self._shape = inputs.shape
+        elif inputs.shape != self._shape:
+            raise SetupError(
+                f"This pipeline's micro-batch shapes were fixed at its first step by a batch "
+                f"of shape {list(self._shape)}; got {list(inputs.shape)}. Every training "
+                "batch must have the same shape: keep drop_last=True (engine.dataloader's "
+                "default) and pad sequences to one length."
+            )
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
-        self.schedule.step(inputs, target=targets, losses=losses)
+        # return_outputs=False: the last stage frees each micro-batch's output after its
+        # backward instead of keeping all M for a merged result nobody reads.
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         if self.has_last:
             total += sum(loss.detach().double() for loss in losses)

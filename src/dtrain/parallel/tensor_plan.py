@@ -69,3 +69,10 @@ def _check_divisible(name: str, module: nn.Module, style: ParallelStyle, degree:
             f"{name} has {size} {what}, which --tp {degree} cannot split evenly; pick a "
             "degree that divides the hidden sizes and the number of attention heads."
         )
+
+
+def plan_within(module: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The entries of `plan` that match a submodule of `module` (a pipeline stage holds
+    only some of the layers the whole model's plan names)."""
+    names = [name for name, _ in module.named_modules()]
+    return {path: style for path, style in plan.items() if any(fnmatch(n, path) for n in names)}

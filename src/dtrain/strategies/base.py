@@ -67,6 +67,13 @@ class Strategy:
         return config.nproc
 
     @classmethod
+    def batch_layout(cls, config: Config) -> tuple[int, int]:
+        """(data-parallel workers, equal parts each worker's batch is cut into) that
+        `config` will run with, known before any process starts (the demo checks its
+        batch with them)."""
+        return (config.nproc * config.nnodes if cls.multiprocess else 1), 1
+
+    @classmethod
     def role_of(cls, config: Config, rank: int) -> str:
         """What global `rank` does in this strategy, for failure reports ("rank 3")."""
         return f"rank {rank}"
@@ -149,6 +156,11 @@ class Strategy:
         """
         self.model = model.to(self.topology.device)
         return self.model, optimizer
+
+    @property
+    def model_class(self) -> str:
+        """The class name of the user's model (recorded in checkpoint manifests)."""
+        return type(self.unwrap()).__name__
 
     def unwrap(self) -> nn.Module:
         """The user's module, whose state_dict has canonical parameter names."""

@@ -19,10 +19,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
 from dtrain.checkpoint.format import check_fit, expected_shapes
+from dtrain.checkpoint.names import canonical_name
+from dtrain.checkpoint.optimizer_state import state_by_name
 
 
 def _to_cpu(value: Any) -> Any:
@@ -30,12 +33,12 @@ def _to_cpu(value: Any) -> Any:
 
 
 def gather_full_state(
-    module: nn.Module, optimizer: Optimizer | None, main_only: bool
+    module: nn.Module, optimizer: Optimizer | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """`module`'s whole tensors and name-keyed optimizer state, on the CPU (a collective
-    over the ranks sharing its DTensors). With `main_only`, ranks other than global rank
-    0 get empty dictionaries (less memory); otherwise every rank gets everything."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=main_only)
+    """`module`'s whole tensors and name-keyed optimizer state on global rank 0's CPU
+    (other ranks get empty dictionaries); a collective over the ranks sharing its
+    DTensors."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     tensors = tree_map(_to_cpu, get_model_state_dict(module, options=options))
     optimizer_state = (
         tree_map(_to_cpu, get_optimizer_state_dict(module, optimizer, options=options))
@@ -43,6 +46,23 @@ def gather_full_state(
         else None
     )
     return tensors, optimizer_state
+
+
+def whole_state(
+    module: nn.Module, optimizer: Optimizer | None, keep: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """`module`'s whole tensors and name-keyed optimizer state, gathered one tensor at a
+    time (a collective over the ranks sharing its DTensors; device memory for one whole
+    tensor at once). Ranks with `keep` False take part but keep nothing."""
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return tensor.detach().cpu().contiguous() if keep else None
+
+    tensors = {canonical_name(k): whole(v) for k, v in module.state_dict().items()}
+    optimizer_state = state_by_name(optimizer, module, whole) if optimizer is not None else None
+    return tensors, optimizer_state  # type: ignore[return-value]
 
 
 def restrict(optimizer_state: dict[str, Any], names: set[str]) -> dict[str, Any]:

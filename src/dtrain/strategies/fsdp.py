@@ -89,7 +89,7 @@ class FullyShardedBase(Strategy):
         self, optimizer: Optimizer | None
     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
         assert self.model is not None
-        tensors, optimizer_state = gather_full_state(self.model, optimizer, main_only=True)
+        tensors, optimizer_state = gather_full_state(self.model, optimizer)
         if not self.topology.is_main:
             return None, None
         return tensors, optimizer_state

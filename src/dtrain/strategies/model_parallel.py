@@ -34,10 +34,10 @@ from dtrain.observe.logs import LOGGER
 from dtrain.parallel.degrees import Degrees, degrees_for
 from dtrain.parallel.pipeline import LossFn, Pipeline, PipelineModel, check_schedule
 from dtrain.parallel.split import Stage, layers_of, split_layers
-from dtrain.parallel.tensor_plan import plan_of
+from dtrain.parallel.tensor_plan import plan_of, plan_within
 from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.blocks import find_blocks
-from dtrain.strategies.dcp_state import gather_full_state, load_full_state
+from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.rebuild import group_names, rebuild
 from dtrain.topology import Topology
 
@@ -55,6 +55,9 @@ class ModelParallel(Strategy):
         """This rank's part of the model, under canonical names."""
         self.pipeline: Pipeline | None = None
         self._whole: dict[str, torch.Size] = {}
+        self._model_class = ""
+        # Checkpoint parts travel to rank 0 through host memory, never a GPU buffer.
+        self._host_group = dist.new_group(backend="gloo") if topology.backend != "gloo" else None
 
     # -- layout ---------------------------------------------------------------------------
     @classmethod
@@ -62,6 +65,12 @@ class ModelParallel(Strategy):
         """The degrees for `config` on `world_size` processes, checked (a ConfigError
         naming the fix otherwise)."""
         degrees = degrees_for(cls.name, world_size, config.dp, config.pp, config.tp)
+        if degrees.dp == 1 and config.dp_mode != "ddp":
+            raise ConfigError(
+                f"--dp-mode {config.dp_mode} shards over data-parallel replicas, but this "
+                f"layout has one ({degrees.describe()}); use --strategy hybrid with room "
+                "for dp > 1 in --nproc, or drop --dp-mode."
+            )
         if degrees.pp == 1:
             given = [
                 flag
@@ -69,13 +78,15 @@ class ModelParallel(Strategy):
                     ("--microbatches", config.microbatches),
                     ("--split-points", config.split_points),
                     ("--virtual-stages", config.virtual_stages),
+                    ("--schedule", None if config.schedule == "1f1b" else config.schedule),
                 )
                 if value
             ]
             if given:
+                fix = "--strategy hybrid with --pp" if cls.name == "tensor" else "--pp"
                 raise ConfigError(
                     f"{', '.join(given)} shape a pipeline, but this layout has one stage "
-                    f"({degrees.describe()}); add --pp, or drop {', '.join(given)}."
+                    f"({degrees.describe()}); add {fix}, or drop {', '.join(given)}."
                 )
             return degrees
         if config.grad_accumulation > 1:
@@ -95,6 +106,11 @@ class ModelParallel(Strategy):
     def virtual_stages(config: Config) -> int:
         """Stages per pipeline rank: --virtual-stages (default 2) when interleaved, else 1."""
         return (config.virtual_stages or 2) if config.schedule == "interleaved" else 1
+
+    @classmethod
+    def batch_layout(cls, config: Config) -> tuple[int, int]:
+        degrees = cls.layout(config, config.nproc * config.nnodes)
+        return degrees.dp, cls.microbatches(config, degrees) if degrees.pp > 1 else 1
 
     @classmethod
     def check_launch(cls, config: Config) -> None:
@@ -130,29 +146,33 @@ class ModelParallel(Strategy):
         self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
         names = group_names(optimizer, model) if optimizer is not None else []
-        device = self.topology.device
-        model = model.to(device)
         d = self.degrees
-        if d.tp > 1:
-            parallelize_module(model, self.mesh["tp"], plan_of(model, d.tp))
+        plan = plan_of(model, d.tp) if d.tp > 1 else None
         self._whole = expected_shapes(model)
-        if d.pp > 1:
-            stages = self._split(model)
-            units = list(stages.values())
-            self.local = Stage([layer for s in sorted(stages) for layer in stages[s].layers])
-        else:
-            units = [model]
-            self.local = model
+        self._model_class = type(model).__name__
+        # Split where the model was built (host memory); only this rank's stages move to
+        # its device, so a model bigger than one device fits once split.
+        stages = self._split(model) if d.pp > 1 else {}
+        units: list[nn.Module] = list(stages.values()) or [model]
+        for unit in units:
+            unit.to(self.topology.device)
+            if plan is not None and (part := plan_within(unit, plan)):
+                parallelize_module(unit, self.mesh["tp"], part)
+        self.local = (
+            Stage([layer for s in sorted(stages) for layer in stages[s].layers])
+            if stages
+            else model
+        )
         if d.dp > 1:
             self._replicate(units)
-        if d.pp > 1:
+        if stages:
             self.pipeline = Pipeline(
                 stages,
                 d.pp * self.virtual_stages(self.config),
                 self.config.schedule,
                 self.microbatches(self.config, d),
                 self.mesh.get_group("pp"),
-                device,
+                self.topology.device,
             )
             self.model = PipelineModel(self.local, self.pipeline)
             for s, stage in sorted(stages.items()):
@@ -164,6 +184,10 @@ class ModelParallel(Strategy):
         here = {n for n, _ in self.local.named_parameters()}
         mine = [[n for n in group if n in here] for group in names]
         return self.model, rebuild(optimizer, mine, self.local)
+
+    @property
+    def model_class(self) -> str:
+        return self._model_class
 
     def _split(self, model: nn.Module) -> dict[int, Stage]:
         """This rank's stages: s = pp_rank, pp_rank + P, ... of P x V balanced stages."""
@@ -192,8 +216,15 @@ class ModelParallel(Strategy):
 
     # -- training -------------------------------------------------------------------------
     def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float:
+        """The step's loss, averaged over the dp replicas: a non-finite loss on any replica
+        (whose gradients the others have just averaged in) stops every one of them."""
         assert self.pipeline is not None
-        return self.pipeline.step(inputs, targets, loss_fn)
+        loss = self.pipeline.step(inputs, targets, loss_fn)
+        if self.degrees.dp == 1:
+            return loss
+        total = torch.tensor([loss], dtype=torch.float64, device=self.topology.device)
+        dist.all_reduce(total, group=self.dp_group)
+        return total.item() / self.degrees.dp
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.pipelined:
@@ -255,17 +286,23 @@ class ModelParallel(Strategy):
         self, optimizer: Optimizer | None
     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
         assert self.local is not None
-        tensors, optimizer_state = gather_full_state(self.local, optimizer, main_only=False)
-        if self.degrees.pp == 1:
-            return (tensors, optimizer_state) if self.topology.is_main else (None, None)
-        # One rank per stage (dp 0, tp 0) sends its part to the main rank.
+        main = self.topology.is_main
+        # One rank per stage (dp 0, tp 0) keeps its stage's whole state and sends it on.
         first = self.mesh.get_local_rank("dp") == 0 and self.mesh.get_local_rank("tp") == 0
-        part = (tensors, optimizer_state) if first else None
-        parts: list[Any] = [None] * self.topology.world_size if self.topology.is_main else []
-        dist.gather_object(part, parts if self.topology.is_main else None, dst=0)
-        if not self.topology.is_main:
+        part = whole_state(self.local, optimizer, keep=first)
+        if self.degrees.pp == 1:
+            return part if main else (None, None)
+        senders = [int(self.mesh.mesh[p, 0, 0]) for p in range(1, self.degrees.pp)]
+        if first and not main:
+            dist.send_object_list([part], dst=0, group=self._host_group)
+        if not main:
             return None, None
-        return _merge([p for p in parts if p is not None])
+        parts = [part]
+        for src in senders:
+            received: list[Any] = [None]
+            dist.recv_object_list(received, src=src, group=self._host_group)
+            parts.append(received[0])
+        return _merge(parts)
 
     def load_full_state(
         self,

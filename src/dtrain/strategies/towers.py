@@ -184,6 +184,10 @@ class Towers(Strategy):
     def micro_splits(self) -> int:
         return len(self.devices)
 
+    @classmethod
+    def batch_layout(cls, config: Config) -> tuple[int, int]:
+        return 1, len(tower_devices(config)[0])
+
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
