@@ -71,6 +71,24 @@ def test_pipeline_stops_on_a_non_finite_loss_and_a_reshaped_batch() -> None:
         assert "fixed at its first step by a batch of shape [4, 8]; got [2, 8]" in messages[1]
 
 
+def uneven_evaluation() -> float:
+    """zero3 at world 2 evaluating 5 samples, 2 per rank and batch: rank 1 has no share of
+    the last batch, yet rank 0's sharded forward needs it."""
+    engine = dtrain.init(strategy="zero3")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    engine.setup(model, None)
+    data = torch.utils.data.TensorDataset(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    loader = engine.dataloader(data, batch_size=2, shuffle=False, drop_last=False)
+    result = engine.evaluate(loader, torch.nn.functional.cross_entropy)
+    engine.close()
+    return result["samples"]
+
+
+@pytest.mark.timeout(120)
+def test_sharded_evaluation_with_a_short_last_batch_does_not_hang() -> None:
+    assert run_ranks(uneven_evaluation, 2, timeout=100) == [5, 5]
+
+
 @pytest.mark.timeout(240)
 def test_three_stages_match_single(reference: dict) -> None:
     variants = [

@@ -304,7 +304,12 @@ class Engine(Checkpointing):
         self._require_setup("engine.evaluate")
         batches = (self.to_device(batch) for batch in loader)
         totals, classifier = evaluation_sums(
-            self.strategy.eval_module(), batches, loss_fn, self.autocast, self.topology.device
+            self.strategy.eval_module(),
+            batches,
+            loss_fn,
+            self.autocast,
+            self.topology.device,
+            extra_forwards=self._evaluation_shortfall(loader),
         )
         if self.strategy.multiprocess and dist.is_initialized():
             dist.all_reduce(totals, group=self.strategy.dp_group)
@@ -315,6 +320,19 @@ class Engine(Checkpointing):
         if count and classifier:
             result["accuracy"] = correct / count
         return result
+
+    def _evaluation_shortfall(self, loader: Iterable[Batch]) -> int:
+        """Batches this rank has fewer than the data-parallel rank with the most, where
+        the model's forward is a collective over them (sharded parameters are gathered in
+        forward): a rank without a share of the last, short batch must still take part."""
+        if not (
+            self.strategy.collective_forward and self.dp_size > 1 and hasattr(loader, "__len__")
+        ):
+            return 0
+        count = torch.tensor([len(loader)], device=self.topology.device)  # type: ignore[arg-type]
+        most = count.clone()
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.strategy.dp_group)
+        return int(most.item() - count.item())
 
     def _gather(self, value: Any) -> list[Any]:
         """`value` from every process of the training loop, in rank order (one in a

@@ -17,12 +17,14 @@ def evaluation_sums(
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
     autocast: Callable[[], contextlib.AbstractContextManager[None]],
     device: torch.device,
+    extra_forwards: int = 0,
 ) -> tuple[torch.Tensor, bool]:
     """([loss sum, correct, samples] as float64 on `device`, whether it is a classifier).
 
     `model` is put in eval mode and back. Accuracy counts when the outputs are (N, C)
     logits and the targets (N,) class indices; the loss sum weights each batch's mean
-    loss by its size.
+    loss by its size. `extra_forwards` more forwards of the last batch follow, counted
+    nowhere (so that every rank of a collective forward runs as many).
     """
     was_training = model.training
     model.eval()
@@ -41,6 +43,9 @@ def evaluation_sums(
             if classifier:
                 totals[1] += (outputs.argmax(dim=1) == targets).sum().item()
             totals[2] += n
+        for _ in range(extra_forwards if totals[2] else 0):
+            with autocast():
+                model(inputs)
     finally:
         model.train(was_training)
     return totals, classifier

@@ -43,6 +43,9 @@ class Strategy:
     supports_cpu_offload: ClassVar[bool] = False
     handles_precision: ClassVar[bool] = False
     """True if the strategy applies --precision itself; otherwise the Engine autocasts."""
+    collective_forward: ClassVar[bool] = False
+    """True if the model's forward is a collective over the data-parallel ranks (sharded
+    parameters gathered), so every one of them must run as many forwards."""
     order: ClassVar[int] = 100
     """Position in listings (`--help`, error messages): simplest strategies first."""
 

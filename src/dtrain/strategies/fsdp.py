@@ -33,6 +33,7 @@ class FullyShardedBase(Strategy):
     """Shared by zero2 and zero3: shard each block, then the root; rebuild the optimizer."""
 
     multiprocess = True
+    collective_forward = True
     reshard_after_forward: ClassVar[bool] = True
     handles_precision = True
 

@@ -46,6 +46,7 @@ class ModelParallel(Strategy):
     """Shared by pipeline, tensor and hybrid; the subclasses differ in which degrees they take."""
 
     multiprocess = True
+    collective_forward = True  # with dp > 1, replicate / fully_shard act in forward
 
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
