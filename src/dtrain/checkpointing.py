@@ -1,40 +1,53 @@
-"""The Engine's checkpoint methods: save, load, resume, state_dict.
+"""Checkpoints of a run: save, load, resume, state_dict.
 
-A mixin of :class:`dtrain.Engine`, kept in its own file so the engine's loop mechanics
-and its checkpoint handling can each be read alone.
+The Engine holds one :class:`Checkpoints`; it sees the strategy (which gathers and
+scatters the states) and the run's :class:`Position` (which it saves and restores), and
+nothing else of the Engine.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.optim import Optimizer
 
 from dtrain import checkpoint, rng
 from dtrain.checkpoint.plain import read_model_state
 from dtrain.checkpoint.verify import verify
+from dtrain.collectives import barrier, gather_objects, rank_in
 from dtrain.errors import CheckpointError
 from dtrain.observe.logs import LOGGER
+from dtrain.position import Position
+from dtrain.strategies import Strategy
 
-if TYPE_CHECKING:
-    from dtrain.engine import Engine
 
+class Checkpoints:
+    """save / load / resume of one Engine's strategy, optimizer and position."""
 
-class Checkpointing:
-    """save / load / resume for :class:`dtrain.Engine` (which provides the state)."""
+    def __init__(self, strategy: Strategy, position: Position) -> None:
+        self.strategy = strategy
+        self.position = position
+        self.optimizer: Optimizer | None = None
+        """The optimizer the loop steps (set by `engine.setup`)."""
 
-    def state_dict(self: Engine) -> dict[str, torch.Tensor] | None:
+    @property
+    def is_main(self) -> bool:
+        return self.strategy.topology.is_main
+
+    def print(self, message: str) -> None:
+        if self.is_main:
+            print(message, flush=True)
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model under canonical names on the CPU, on the main rank (None on the
         others). Collective: every rank must call it (sharded strategies gather)."""
-        self._require_setup("engine.state_dict")
         tensors, _ = self.strategy.full_state(None)
         return tensors
 
     def save(
-        self: Engine,
+        self,
         path: str | Path,
         epoch: int | None = None,
         extra: dict[str, Any] | None = None,
@@ -46,30 +59,29 @@ class Checkpointing:
             epoch: the epoch to record (default: the one `progress` is in).
             extra: more manifest fields (JSON values).
         """
-        self._require_setup("engine.save")
         tensors, optimizer_state = self.strategy.full_state(self.optimizer)
-        rng_states = self._gather(rng.get_state())
+        rng_states = gather_objects(rng.get_state(), self.strategy.train_group)
         if self.is_main:
             assert tensors is not None
             position = {
-                "step": self.step,
-                "epoch": self.epoch if epoch is None else epoch,
-                "samples_in_epoch": self._samples_in_epoch,
+                "step": self.position.step,
+                "epoch": self.position.epoch if epoch is None else epoch,
+                "samples_in_epoch": self.position.samples_in_epoch,
             }
             info = {
                 **position,
                 "strategy": self.strategy.name,
-                "world_size": self.world_size,
+                "world_size": self.strategy.topology.world_size,
                 "model_class": self.strategy.model_class,
                 "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
                 **(extra or {}),
             }
             trainer = {**position, "rng_per_rank": rng_states}
             checkpoint.write(Path(path), tensors, optimizer_state, trainer, info)
-            LOGGER.info("saved checkpoint %s at step %d", path, self.step)
-        self.barrier()
+            LOGGER.info("saved checkpoint %s at step %d", path, self.position.step)
+        barrier(self.strategy.train_group)
 
-    def load(self: Engine, path: str | Path, strict: bool = True) -> dict[str, Any]:
+    def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint written under any strategy and world size; return its manifest.
 
         Restores the model, the optimizer (if given to setup), the step count, the data
@@ -79,7 +91,6 @@ class Checkpointing:
         the model is loaded. With strict=False, tensors that do not fit are skipped (and
         logged) instead of stopping.
         """
-        self._require_setup("engine.load")
         path = Path(path)
         if path.is_file():
             skipped = self.strategy.load_full_state(read_model_state(path), None, None, strict)
@@ -103,20 +114,19 @@ class Checkpointing:
         )
         self._log_skipped(path, skipped)
         trainer = checkpoint.read_pt(path, "trainer.pt") or {}
-        self.step = int(trainer.get("step", manifest["step"]))
-        self.epoch = int(trainer.get("epoch", manifest["epoch"]))
-        self._resume_at = (self.epoch, int(trainer.get("samples_in_epoch", 0)))
+        where = self.position
+        where.step = int(trainer.get("step", manifest["step"]))
+        where.epoch = int(trainer.get("epoch", manifest["epoch"]))
+        where.resume_at = (where.epoch, int(trainer.get("samples_in_epoch", 0)))
         rng_states = trainer.get("rng_per_rank") or []
         if rng_states:
             # Same number of processes: every rank continues its own streams; else rank 0's.
-            group = self.strategy.train_group
-            ranks = dist.get_world_size(group) if dist.is_initialized() else 1
-            me = dist.get_rank(group) if dist.is_initialized() else 0
+            me, ranks = rank_in(self.strategy.train_group)
             rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
-        LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, self.step, self.epoch)
+        LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
         return manifest
 
-    def resume(self: Engine, root: str | Path) -> dict[str, Any] | None:
+    def resume(self, root: str | Path) -> dict[str, Any] | None:
         """Load the newest intact checkpoint under `root`; None if there is none.
 
         A damaged newer checkpoint is skipped with a warning, so a run killed while its
@@ -128,12 +138,7 @@ class Checkpointing:
             self.print(f"dtrain: warning: {warning}")
         return self.load(latest) if latest is not None else None
 
-    @property
-    def restart_count(self) -> int:
-        """How many times the launcher has restarted the group (0 on the first attempt)."""
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-    def _log_skipped(self: Engine, path: Path, skipped: list[str]) -> None:
+    def _log_skipped(self, path: Path, skipped: list[str]) -> None:
         if skipped:
             LOGGER.warning("loaded %s partially; skipped %s", path, ", ".join(skipped))
             self.print(f"dtrain: warning: loaded {path} partially; skipped {', '.join(skipped)}")

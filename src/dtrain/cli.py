@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
-from dataclasses import fields
 from pathlib import Path
 
 from dtrain import demo
@@ -13,50 +11,10 @@ from dtrain.checkpoint.convert import convert
 from dtrain.checkpoint.verify import summary, verify
 from dtrain.config import Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError
+from dtrain.flags import add_topology_args, config_from
 from dtrain.launch.runner import Target, launch
 from dtrain.observe.metrics import format_table
-from dtrain.strategies import available, lookup
-
-
-def _device_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,3, got {text!r}") from None
-
-
-def _name_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def add_topology_args(parser: argparse.ArgumentParser) -> None:
-    """TOPOLOGY flags, generated from :class:`Config`'s fields and their help."""
-    group = parser.add_argument_group("topology")
-    hints = typing.get_type_hints(Config)
-    for f in fields(Config):
-        if "help" not in f.metadata:
-            continue
-        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
-        if kind is bool:
-            group.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
-            continue
-        convert = {int: int, float: float, str: str}.get(
-            typing.get_args(kind)[0] if typing.get_args(kind) else kind
-        )
-        if f.name == "devices":
-            convert = _device_list
-        if f.name in ("blocks", "split_points"):
-            convert = _name_list
-        help_text = f.metadata["help"]
-        if f.name == "strategy":
-            help_text += " One of: " + ", ".join(available()) + "."
-        group.add_argument(flag, dest=f.name, type=convert, default=f.default, help=help_text)
-
-
-def config_from(args: argparse.Namespace) -> Config:
-    """The Config given by the parsed TOPOLOGY flags."""
-    return Config(**{f.name: getattr(args, f.name) for f in fields(Config) if "help" in f.metadata})
+from dtrain.strategies import lookup
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ ENV_VAR = "DTRAIN_CONFIG"
 PRECISIONS = ("fp32", "bf16-mixed")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("ddp", "zero2", "zero3")
+CHECKPOINT_FORMATS = ("consolidated", "sharded")
 
 
 def option(default: object, help: str, flag: str | None = None) -> object:
@@ -56,6 +57,19 @@ class Config:
     )
     memory_report: bool = option(
         False, "Measure per-rank bytes of parameters, gradients and optimizer state."
+    )
+    log_every: int = option(
+        10,
+        "Read the loss back from the device every N steps (progress bar, logs, the "
+        "non-finite-loss check); the steps between never wait for the device.",
+    )
+    checkpoint_format: str = option(
+        "consolidated",
+        "consolidated (one safetensors file of the whole model, written by rank 0) or "
+        "sharded (every rank writes its own part with torch.distributed.checkpoint).",
+    )
+    async_checkpoint: bool = option(
+        False, "Write sharded checkpoints in the background while training goes on."
     )
     seed: int = 0
     """Seed of every RNG on every device, so replicas start equal (demo: --seed)."""
@@ -147,6 +161,18 @@ class Config:
             )
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be positive, got {self.timeout_s}.")
+        if self.log_every < 1:
+            raise ConfigError(f"--log-every must be at least 1, got {self.log_every}.")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ConfigError(
+                f"Unknown --checkpoint-format '{self.checkpoint_format}'; choose one of "
+                f"{', '.join(CHECKPOINT_FORMATS)}."
+            )
+        if self.async_checkpoint and self.checkpoint_format != "sharded":
+            raise ConfigError(
+                "--async-checkpoint writes sharded checkpoints in the background; add "
+                "--checkpoint-format sharded, or drop --async-checkpoint."
+            )
         self._validate_ps()
         self._validate_model_parallel()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import dtrain
 from dtrain import checkpoint
 from dtrain.errors import ConfigError
+from dtrain.flags import add_topology_args
 from dtrain.lr import RULES, LRSchedule, scale_lr
 from dtrain.models import MODELS, build
 from dtrain.models.gpt import SIZES
@@ -108,8 +109,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     TOPOLOGY flags are accepted and left to the launcher, which has already put them into
     the environment that `dtrain.init` reads.
     """
-    from dtrain.cli import add_topology_args
-
     parser = argparse.ArgumentParser(prog="dtrain demo")
     add_topology_args(parser)
     add_training_args(parser)

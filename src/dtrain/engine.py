@@ -12,6 +12,7 @@ import builtins
 import contextlib
 import gc
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from dtrain.checkpointing import Checkpointing
+from dtrain.checkpointing import Checkpoints
+from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config
 from dtrain.data import ShardedBatchSampler
 from dtrain.errors import NonFiniteLossError, SetupError
@@ -30,6 +32,7 @@ from dtrain.evaluation import evaluation_sums
 from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput, track
+from dtrain.position import Position
 from dtrain.strategies import Strategy
 from dtrain.topology import Topology
 
@@ -37,7 +40,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
-class Engine(Checkpointing):
+class Engine:
     """One process's handle on the job. Build it with :func:`dtrain.init`."""
 
     def __init__(self, config: Config, topology: Topology, strategy: Strategy) -> None:
@@ -46,17 +49,32 @@ class Engine(Checkpointing):
         self.strategy = strategy
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.step = 0
-        """Optimizer steps taken (restored by `load`)."""
-        self.epoch = 0
+        self.position = Position()
+        self.checkpoints = Checkpoints(strategy, self.position)
         self.throughput = Throughput()
-        self._samples_in_epoch = 0
-        """Samples of the current epoch already trained (the data position)."""
-        self._samples_per_step = 0
-        self._resume_at: tuple[int, int] | None = None
         self._last_loss: float | None = None
         self.memory: dict[str, int] | None = None
         """Model-state bytes of this rank after its first step (with memory_report)."""
+
+    # -- where training stands ------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by `load`)."""
+        return self.position.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.position.step = value
+
+    @property
+    def epoch(self) -> int:
+        """The epoch `progress` is in (restored by `load`)."""
+        return self.position.epoch
+
+    @property
+    def restart_count(self) -> int:
+        """How many times the launcher has restarted the group (0 on the first attempt)."""
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     # -- who am I -------------------------------------------------------------------------
     @property
@@ -111,6 +129,7 @@ class Engine(Checkpointing):
             raise SetupError("engine.setup was called twice; call it once per Engine.")
         self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
+        self.checkpoints.optimizer = optimizer
         if optimizer is not None:
             optimizer.register_step_post_hook(self._count_step)
         LOGGER.info(
@@ -122,8 +141,8 @@ class Engine(Checkpointing):
         return self.model, optimizer
 
     def _count_step(self, *_: Any) -> None:
-        self.step += 1
-        self._samples_in_epoch += self._samples_per_step
+        self.position.step += 1
+        self.position.samples_in_epoch += self.position.samples_per_step
 
     def _require_setup(self, what: str) -> None:
         if self.model is None:
@@ -173,21 +192,22 @@ class Engine(Checkpointing):
         """
         sampler = loader.batch_sampler
         skip = 0
-        if self._resume_at is not None:
-            resume_epoch, resume_samples = self._resume_at
+        where = self.position
+        if where.resume_at is not None:
+            resume_epoch, resume_samples = where.resume_at
             if epoch < resume_epoch:
                 return
             if epoch == resume_epoch and isinstance(sampler, ShardedBatchSampler):
                 skip = resume_samples // sampler.global_batch_size
-            self._resume_at = None
+            where.resume_at = None
         per_step = (loader.batch_size or 0) * self.dp_size
         if isinstance(sampler, ShardedBatchSampler):
             sampler.set_epoch(epoch, skip=skip)
             per_step = sampler.global_batch_size
-        self.epoch = epoch
+        where.epoch = epoch
         batches = len(loader) - skip
-        self._samples_in_epoch = skip * per_step
-        self._samples_per_step = per_step
+        where.samples_in_epoch = skip * per_step
+        where.samples_per_step = per_step
         yield from track(
             loader,
             total=batches,
@@ -270,7 +290,7 @@ class Engine(Checkpointing):
     def memory_report(self) -> list[dict[str, int]]:
         """Every rank's model-state bytes, measured at the first step (needs
         ``memory_report=True``); collective."""
-        return self._gather(dict(self.memory or {}, rank=self.rank))
+        return gather_objects(dict(self.memory or {}, rank=self.rank), self.strategy.train_group)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and synchronise gradients as the strategy requires."""
@@ -334,22 +354,41 @@ class Engine(Checkpointing):
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.strategy.dp_group)
         return int(most.item() - count.item())
 
-    def _gather(self, value: Any) -> list[Any]:
-        """`value` from every process of the training loop, in rank order (one in a
-        one-process job)."""
-        if not dist.is_initialized():
-            return [value]
-        group = self.strategy.train_group
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, value, group=group)
-        return everyone
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model under canonical names on the CPU, on the main rank (None on the
+        others). Collective: every rank must call it (sharded strategies gather)."""
+        self._require_setup("engine.state_dict")
+        return self.checkpoints.state_dict()
+
+    def save(
+        self, path: str | Path, epoch: int | None = None, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Write a checkpoint directory at `path` (collective; see :class:`Checkpoints`).
+
+        Args:
+            path: the checkpoint directory; replaced atomically if it exists.
+            epoch: the epoch to record (default: the one `progress` is in).
+            extra: more manifest fields (JSON values).
+        """
+        self._require_setup("engine.save")
+        self.checkpoints.save(path, epoch, extra)
+
+    def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
+        """Load a checkpoint written under any strategy and world size, or a plain
+        PyTorch / safetensors file; return its manifest (see :meth:`Checkpoints.load`)."""
+        self._require_setup("engine.load")
+        return self.checkpoints.load(path, strict)
+
+    def resume(self, root: str | Path) -> dict[str, Any] | None:
+        """Load the newest intact checkpoint under `root`; None if there is none."""
+        self._require_setup("engine.resume")
+        return self.checkpoints.resume(root)
 
     # -- collectives and teardown ---------------------------------------------------------
     def barrier(self) -> None:
         """Wait for every process of the training loop (no-op in a one-process job)."""
-        group = self.strategy.train_group
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.barrier(group=group)
+        barrier(self.strategy.train_group)
 
     def all_reduce_mean(self, value: float) -> float:
         """The mean of `value` over the data-parallel processes."""

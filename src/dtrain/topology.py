@@ -42,11 +42,6 @@ class Topology:
         """True on global rank 0, the rank that prints and writes checkpoints."""
         return self.rank == 0
 
-    @property
-    def distributed(self) -> bool:
-        """True when a process group is (or must be) initialised."""
-        return dist.is_available() and dist.is_initialized()
-
 
 def mask_devices(devices: list[int] | None) -> None:
     """Restrict this process (and its children) to `devices` via CUDA_VISIBLE_DEVICES.

@@ -38,7 +38,6 @@ class Strategy:
     name: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
     multiprocess: ClassVar[bool] = False
-    summary: ClassVar[str] = ""
     supports_sync_batchnorm: ClassVar[bool] = False
     supports_cpu_offload: ClassVar[bool] = False
     handles_precision: ClassVar[bool] = False
@@ -46,6 +45,10 @@ class Strategy:
     collective_forward: ClassVar[bool] = False
     """True if the model's forward is a collective over the data-parallel ranks (sharded
     parameters gathered), so every one of them must run as many forwards."""
+    state_by_module: ClassVar[bool] = True
+    """True if the optimizer the loop steps is a torch optimizer over `unwrap()`'s
+    parameters, so torch.distributed.checkpoint's state_dict helpers read this rank's part
+    directly (sharded checkpoints); False sends sharded checkpoints through `full_state`."""
     order: ClassVar[int] = 100
     """Position in listings (`--help`, error messages): simplest strategies first."""
 
@@ -169,6 +172,10 @@ class Strategy:
         """The user's module, whose state_dict has canonical parameter names."""
         assert self.model is not None
         return self.model
+
+    def refresh(self) -> None:
+        """Bring this process's parameters up to date before they are read (evaluation,
+        checkpoints); a collective where the strategy needs one. Default: nothing to do."""
 
     def eval_module(self) -> nn.Module:
         """The module to evaluate with (no gradient synchronisation, any batch count)."""

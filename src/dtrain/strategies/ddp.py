@@ -25,7 +25,6 @@ class DDP(Strategy):
     name = "ddp"
     multiprocess = True
     supports_sync_batchnorm = True
-    summary = "one process per device, all-reduce of gradients (PyTorch DDP)"
     order = 20
 
     def setup(

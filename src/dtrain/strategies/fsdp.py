@@ -111,7 +111,6 @@ class Zero2(FullyShardedBase):
     """Gradients and optimizer state sharded; parameters stay gathered forward to backward."""
 
     name = "zero2"
-    summary = "gradients + optimizer state sharded (FSDP2, no reshard after forward)"
     order = 31
     reshard_after_forward = False
 
@@ -122,6 +121,5 @@ class Zero3(FullyShardedBase):
 
     name = "zero3"
     aliases = ("fsdp",)
-    summary = "parameters + gradients + optimizer state sharded (FSDP2)"
     order = 32
     supports_cpu_offload = True

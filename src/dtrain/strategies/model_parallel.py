@@ -346,7 +346,6 @@ class PipelineParallel(ModelParallel):
     """Layers cut into --pp stages, micro-batches pipelined through them."""
 
     name = "pipeline"
-    summary = "layers split into --pp stages, micro-batches pipelined (GPipe, 1F1B, interleaved)"
     order = 40
 
 
@@ -355,7 +354,6 @@ class TensorParallel(ModelParallel):
     """Each layer's weight matrices split over --tp ranks (Megatron-style)."""
 
     name = "tensor"
-    summary = "each layer's matrices split over --tp ranks (DTensor)"
     order = 41
 
 
@@ -364,5 +362,4 @@ class Hybrid(ModelParallel):
     """Data x pipeline x tensor parallelism over one named DeviceMesh."""
 
     name = "hybrid"
-    summary = "dp x pp x tp over one DeviceMesh (--dp-mode ddp, zero2 or zero3 on dp)"
     order = 42

@@ -10,5 +10,4 @@ class Single(Strategy):
     """Train on one device exactly as a plain PyTorch loop would."""
 
     name = "single"
-    summary = "one process, one device (the reference)"
     order = 0

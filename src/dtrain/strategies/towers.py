@@ -169,7 +169,6 @@ class Towers(Strategy):
     """Single-process data parallel over N replicas (`--towers N`)."""
 
     name = "towers"
-    summary = "one process, N replicas sharing the variables (nn.DataParallel, TF towers)"
     order = 10
 
     def __init__(self, config: Config, topology: Topology) -> None:

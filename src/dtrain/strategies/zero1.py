@@ -26,7 +26,7 @@ class Zero1(DDP):
     """Optimizer state sharded over the data-parallel ranks."""
 
     name = "zero1"
-    summary = "ddp + optimizer state sharded (ZeroRedundancyOptimizer)"
+    state_by_module = False
     order = 30
 
     def setup(

@@ -40,7 +40,7 @@ class ParameterServer(Strategy):
 
     name = "ps"
     multiprocess = True
-    summary = "workers push gradients to CPU parameter servers (sync, async, ssp)"
+    state_by_module = False
     order = 30
 
     def __init__(self, config: Config, topology: Topology) -> None:
