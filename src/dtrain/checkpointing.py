@@ -138,6 +138,10 @@ class Checkpoints:
             self.print(f"dtrain: warning: {warning}")
         return self.load(latest) if latest is not None else None
 
+    def finish(self) -> None:
+        """Return once every checkpoint this process started is on disk (saves are
+        synchronous here, so there is nothing to wait for)."""
+
     def _log_skipped(self, path: Path, skipped: list[str]) -> None:
         if skipped:
             LOGGER.warning("loaded %s partially; skipped %s", path, ", ".join(skipped))

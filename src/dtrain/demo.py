@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import dtrain
 from dtrain import checkpoint
 from dtrain.errors import ConfigError
@@ -207,14 +209,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     LOGGER.info("args %s", vars(args))
 
-    last_loss = float("nan")
+    last_loss: torch.Tensor | None = None
     for epoch in range(args.epochs):
         if engine.step >= max_steps:
             break
         epoch_start_step = engine.step
         for batch in engine.progress(loader, epoch=epoch):
             schedule.apply(optimizer, engine.step)
-            last_loss = engine.train_step(batch, task.loss).item()
+            last_loss = engine.train_step(batch, task.loss)
             if args.checkpoint_every and engine.step % args.checkpoint_every == 0:
                 save(engine, ckpt_root, args.keep_checkpoints)
             if engine.step >= max_steps:
@@ -234,7 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "steps": engine.step,
         "global_batch_size": args.global_batch_size,
         "learning_rate": lr,
-        "train_loss": none_if_nan(engine.all_reduce_mean(last_loss)),
+        "train_loss": none_if_nan(
+            engine.all_reduce_mean(float("nan") if last_loss is None else last_loss.item())
+        ),
         **task.report(result),
         "samples_per_second": engine.throughput.samples_per_second,
         "wall_seconds": time.perf_counter() - wall_start,

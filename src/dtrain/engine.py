@@ -322,6 +322,7 @@ class Engine:
         reported when the outputs are (N, C) logits and the targets (N,) class indices.
         """
         self._require_setup("engine.evaluate")
+        self.strategy.refresh()
         batches = (self.to_device(batch) for batch in loader)
         totals, classifier = evaluation_sums(
             self.strategy.eval_module(),
@@ -405,6 +406,7 @@ class Engine:
         destroying it under a live DDP object can abort the process on gloo, while
         leaving it to interpreter exit is safe.
         """
+        self.checkpoints.finish()
         wrapped = weakref.ref(self.model) if self.model is not None else None
         self.model = None
         self.strategy.close()

@@ -85,6 +85,12 @@ class Strategy:
         return f"rank {rank}"
 
     @classmethod
+    def role_main(cls, config: Config, rank: int) -> Callable[[], None] | None:
+        """What global `rank` runs instead of the user's script, for ranks that serve
+        rather than train (parameter servers); None: the rank runs the script."""
+        return None
+
+    @classmethod
     def detect_topology(cls, config: Config) -> Topology:
         """This process's topology (a strategy may place some roles on the CPU)."""
         return detect(config)
