@@ -54,7 +54,7 @@ def test_a_port_in_use_is_named() -> None:
 
 
 def test_non_finite_loss_stops_before_the_update() -> None:
-    engine = dtrain.init(strategy="single")
+    engine = dtrain.init(strategy="single", log_every=1)
     model = DigitsMLP(hidden=4)
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     before = [p.clone() for p in model.parameters()]

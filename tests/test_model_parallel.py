@@ -47,7 +47,7 @@ def test_two_ranks_pipeline_schedules_and_tensor_match_single(reference: dict) -
 def non_finite_and_reshaped_batches() -> list[str]:
     """Under a 2-stage pipeline: a NaN loss stops every rank with the gradients cleared,
     and a batch of another shape than the first is refused. Returns the messages."""
-    engine = dtrain.init(strategy="pipeline", schedule="gpipe", microbatches=2)
+    engine = dtrain.init(strategy="pipeline", schedule="gpipe", microbatches=2, log_every=1)
     model = GPT(SIZES["tiny"])
     engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     tokens = torch.randint(0, 256, (4, 9))

@@ -87,7 +87,7 @@ def test_tensor_plan_checks_heads_and_sizes() -> None:
 
 
 def test_degrees_must_multiply_to_nproc() -> None:
-    assert degrees_for("hybrid", 8, None, 2, 2) == Degrees(dp=2, pp=2, tp=2)
+    assert degrees_for("hybrid", 8, None, 2, 2) == Degrees(dp_replicate=2, pp=2, tp=2)
     assert degrees_for("pipeline", 3, None, None, None) == Degrees(pp=3)
     with pytest.raises(ConfigError, match="product of the degrees must equal --nproc"):
         degrees_for("hybrid", 4, 2, 2, 2)

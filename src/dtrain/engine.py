@@ -11,7 +11,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import gc
-import math
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +29,7 @@ from dtrain.data import ShardedBatchSampler
 from dtrain.errors import NonFiniteLossError, SetupError
 from dtrain.evaluation import evaluation_sums
 from dtrain.observe.logs import LOGGER, log_to_file
+from dtrain.observe.loss import LossWatch
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput, track
 from dtrain.position import Position
@@ -52,7 +52,9 @@ class Engine:
         self.position = Position()
         self.checkpoints = Checkpoints(strategy, self.position)
         self.throughput = Throughput()
-        self._last_loss: float | None = None
+        self._watch = LossWatch(topology.device)
+        self._stepping = False
+        """True inside train_step's optimizer step (which reads the loss before it)."""
         self.memory: dict[str, int] | None = None
         """Model-state bytes of this rank after its first step (with memory_report)."""
 
@@ -143,6 +145,8 @@ class Engine:
     def _count_step(self, *_: Any) -> None:
         self.position.step += 1
         self.position.samples_in_epoch += self.position.samples_per_step
+        if not self._stepping and self.position.step % self.config.log_every == 0:
+            self._read_loss()  # a hand-written loop: read after its step
 
     def _require_setup(self, what: str) -> None:
         if self.model is None:
@@ -213,10 +217,12 @@ class Engine:
             total=batches,
             samples_per_item=per_step,
             throughput=self.throughput,
-            loss=lambda: self._last_loss,
+            loss=lambda: self._watch.last,
             desc=desc or f"epoch {epoch}",
             enabled=self.is_main,
         )
+        if self._watch.unread:
+            self._read_loss()  # the epoch's last steps, before anything is saved
 
     # -- training -------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:
@@ -234,7 +240,9 @@ class Engine:
 
         `loss_fn(model(inputs), targets)` must return the mean loss of its samples. With
         ``grad_accumulation=k`` the batch is cut into k micro-batches whose gradients are
-        accumulated locally and synchronised once. Returns the batch's mean loss (detached).
+        accumulated locally and synchronised once. Returns the batch's mean loss, detached
+        and left on the device (reading it, e.g. with ``.item()``, waits for the device;
+        the Engine itself reads it only every ``log_every`` steps).
         """
         self._require_setup("engine.train_step")
         if self.optimizer is None:
@@ -247,29 +255,26 @@ class Engine:
                 f"A batch of {total} sample(s) cannot be cut into --grad-accumulation {k} "
                 "micro-batches; use a larger batch or fewer micro-batches."
             )
-        assert self.model is not None
-        mean = 0.0
         measure = self.config.memory_report and self.memory is None
         held_in_step = 0
+        mean: torch.Tensor | int = 0
         parts = zip(torch.tensor_split(inputs, k), torch.tensor_split(targets, k), strict=True)
         for i, (x, y) in enumerate(parts):
             sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
             weight = x.shape[0] / total
             with sync:
-                if self.strategy.pipelined:
-                    with self.autocast():
-                        value = self.strategy.pipeline_step(x, y, loss_fn)
-                    if not math.isfinite(value):  # the schedule has run backward already
-                        self.optimizer.zero_grad(set_to_none=True)
-                    mean += self._check_loss(value) * weight
-                    continue
-                with self.autocast():
-                    loss = loss_fn(self.model(x), y)
-                if measure:  # parameters held between forward and backward
-                    held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
-                mean += self._backward(loss * weight)
+                loss = self.strategy.forward_backward((x, y), loss_fn, weight)
+            mean = mean + loss * weight
+            if measure:  # parameters held between forward and backward
+                held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
+        assert isinstance(mean, torch.Tensor)
+        self._watch.record(mean, self.step + 1)
         grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
+        if (self.step + 1) % self.config.log_every == 0:
+            self._read_loss()  # before the update: a non-finite loss never reaches it
+        self._stepping = True
         self.optimizer.step()
+        self._stepping = False
         if measure:
             self.memory = {
                 "parameters": parameter_bytes(self.strategy.unwrap()),
@@ -278,14 +283,31 @@ class Engine:
                 "optimizer": optimizer_bytes(self.optimizer),
             }
         self.optimizer.zero_grad(set_to_none=True)
-        self._last_loss = mean
-        return torch.tensor(mean)
+        return mean
+
+    def _read_loss(self) -> float | None:
+        """Read the watched loss back from the device (collective under synchronous
+        strategies); on a non-finite loss, clear the gradients and raise."""
+        strategy = self.strategy
+        try:
+            return self._watch.read(
+                strategy.train_group, strategy.lockstep and dist.is_initialized()
+            )
+        except NonFiniteLossError:
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            raise
+
+    def check_loss(self) -> float | None:
+        """The last loss, read back now (a collective under synchronous strategies: call it
+        on every rank); raises NonFiniteLossError if a loss since the last read was NaN or
+        infinite. The Engine calls it every ``log_every`` steps and before checkpoints."""
+        self._require_setup("engine.check_loss")
+        return self._read_loss()
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """bf16 autocast for --precision bf16-mixed, unless the strategy applies it itself."""
-        if self.config.precision != "bf16-mixed" or self.strategy.handles_precision:
-            return contextlib.nullcontext()
-        return torch.autocast(self.topology.device.type, dtype=torch.bfloat16)
+        return self.strategy.autocast()
 
     def memory_report(self) -> list[dict[str, int]]:
         """Every rank's model-state bytes, measured at the first step (needs
@@ -293,21 +315,11 @@ class Engine:
         return gather_objects(dict(self.memory or {}, rank=self.rank), self.strategy.train_group)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate `loss` and synchronise gradients as the strategy requires."""
+        """Back-propagate `loss` and synchronise gradients as the strategy requires (for
+        loops written by hand; the loss is watched as in `train_step`)."""
         self._require_setup("engine.backward")
-        self._backward(loss)
-
-    def _backward(self, loss: torch.Tensor) -> float:
-        value = self._check_loss(loss.item())
+        self._watch.record(loss, self.step + 1)
         self.strategy.backward(loss)
-        return value
-
-    def _check_loss(self, value: float) -> float:
-        """`value`, recorded as the last loss; an error naming the step if not finite."""
-        if not math.isfinite(value):
-            raise NonFiniteLossError(self.step + 1, value)
-        self._last_loss = value
-        return value
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Inside this block, backward accumulates gradients without synchronising."""
@@ -373,6 +385,8 @@ class Engine:
             extra: more manifest fields (JSON values).
         """
         self._require_setup("engine.save")
+        if self._watch.unread:
+            self._read_loss()  # a non-finite loss must never reach a checkpoint
         self.checkpoints.save(path, epoch, extra)
 
     def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:

@@ -20,17 +20,24 @@ class SetupError(DtrainError):
 
 
 class NonFiniteLossError(DtrainError):
-    """The loss became NaN or infinite; training stopped before the optimizer step."""
+    """The loss became NaN or infinite; training stopped before any checkpoint took it in.
 
-    def __init__(self, step: int, value: float) -> None:
+    The loss is read back from the device every ``--log-every`` steps (and before every
+    checkpoint); the check runs before that step's update, so with ``--log-every 1`` no
+    non-finite update is ever applied.
+    """
+
+    def __init__(self, step: int, value: float, rank: int | None = None) -> None:
+        where = f" on rank {rank}" if rank is not None else ""
         super().__init__(
-            f"The loss is {value} at step {step}: training stopped before that step's "
-            "update, so the last checkpoint on disk is intact. Lower the learning rate "
-            "(--lr), check the inputs for NaN or infinite values, or resume from the last "
-            "checkpoint with --resume."
+            f"The loss is {value} at step {step}{where}: training stopped before any "
+            "checkpoint took in that step, so the last checkpoint on disk is intact. Lower "
+            "the learning rate (--lr), check the inputs for NaN or infinite values, or "
+            "resume from the last checkpoint with --resume."
         )
         self.step = step
         self.value = value
+        self.rank = rank
 
 
 class CheckpointError(DtrainError):

@@ -76,12 +76,18 @@ class TimedStage(PipelineStage):
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
 
-    def take_seconds(self) -> float:
-        """Compute seconds since the last call (waits for the GPU's recorded work)."""
+    def take_seconds(self, wait: bool = False) -> float:
+        """Compute seconds since the last call. On GPUs only the micro-batches the device
+        has finished are counted (the rest at a later call), unless `wait`: the step never
+        waits for the device to read its timers."""
+        pending = []
         for start, end in self._events:
-            end.synchronize()
-            self.seconds += start.elapsed_time(end) / 1000
-        self._events.clear()
+            if wait or end.query():
+                end.synchronize()
+                self.seconds += start.elapsed_time(end) / 1000
+            else:
+                pending.append((start, end))
+        self._events = pending
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
@@ -127,9 +133,9 @@ class Pipeline:
         assert self._loss_fn is not None
         return self._loss_fn(output, target) / self.microbatches
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float:
-        """Forward and backward of one batch through every stage; the batch's mean loss,
-        on every rank of the pipeline."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of one batch through every stage; the batch's mean loss
+        (a float64 scalar on the device, not read back), on every rank of the pipeline."""
         if inputs.shape[0] % self.microbatches:
             raise SetupError(
                 f"A batch of {inputs.shape[0]} sample(s) cannot be cut into --microbatches "
@@ -154,11 +160,15 @@ class Pipeline:
         if self.has_last:
             total += sum(loss.detach().double() for loss in losses)
         dist.broadcast(total, src=self.last_rank, group=self.group)
-        value = total.item()
         for stage in self.stages:
             self.compute_seconds[stage.stage_index] += stage.take_seconds()
         self.steps += 1
-        return value
+        return total
+
+    def settle_timers(self) -> None:
+        """Count every recorded micro-batch's compute time (waits for the device once)."""
+        for stage in self.stages:
+            self.compute_seconds[stage.stage_index] += stage.take_seconds(wait=True)
 
 
 class PipelineModel(nn.Module):

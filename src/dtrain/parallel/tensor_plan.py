@@ -12,10 +12,12 @@ from __future__ import annotations
 from fnmatch import fnmatch
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    parallelize_module,
 )
 
 from dtrain.errors import ConfigError
@@ -76,3 +78,11 @@ def plan_within(module: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, 
     only some of the layers the whole model's plan names)."""
     names = [name for name, _ in module.named_modules()]
     return {path: style for path, style in plan.items() if any(fnmatch(n, path) for n in names)}
+
+
+def apply_tp(unit: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
+    """Shard the layers of `unit` (a whole model or a pipeline stage) that `plan` names over
+    the tensor-parallel `mesh` (Megatron-style: Shoeybi et al. 2019)."""
+    part = plan_within(unit, plan)
+    if part:
+        parallelize_module(unit, mesh, part)

@@ -103,11 +103,16 @@ class Strategy:
                 f"--sync-batchnorm has no effect under strategy '{cls.name}'; drop it, or use "
                 "--strategy ddp on GPUs."
             )
-        if config.cpu_offload and not cls.supports_cpu_offload:
+        if config.cpu_offload and not cls.offloads(config):
             raise ConfigError(
-                f"--cpu-offload works with --strategy zero3 only, not '{cls.name}'; drop it, "
-                "or shard everything with zero3."
+                f"--cpu-offload works with --strategy zero3 only (or hybrid with --dp-mode "
+                f"zero3), not '{cls.name}'; drop it, or shard everything with zero3."
             )
+
+    @classmethod
+    def offloads(cls, config: Config) -> bool:
+        """True if `config` shards the model state so that --cpu-offload can move it."""
+        return cls.supports_cpu_offload
 
     @property
     def dp_size(self) -> int:
@@ -125,6 +130,12 @@ class Strategy:
         return None
 
     @property
+    def lockstep(self) -> bool:
+        """True if every training process takes each step together (synchronous training),
+        so reads of per-step values can be collective over `train_group`."""
+        return self.multiprocess
+
+    @property
     def train_group(self) -> dist.ProcessGroup | None:
         """Every process that runs the training loop (barriers, per-rank records); the
         data-parallel processes unless model parallelism adds more (None: the default group)."""
@@ -140,23 +151,6 @@ class Strategy:
         """How many equal parts one process's batch is further split into (towers, pipeline
         micro-batches)."""
         return 1
-
-    @property
-    def pipelined(self) -> bool:
-        """True if a schedule runs forward and backward (see :meth:`pipeline_step`)."""
-        return False
-
-    def pipeline_step(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    ) -> float:
-        """Forward and backward of one batch through a pipeline; its mean loss on every rank.
-
-        Only strategies whose `pipelined` is True implement it.
-        """
-        raise NotImplementedError(f"strategy {self.name} does not run a pipeline schedule")
 
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
@@ -186,6 +180,30 @@ class Strategy:
     def eval_module(self) -> nn.Module:
         """The module to evaluate with (no gradient synchronisation, any batch count)."""
         return self.unwrap()
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """bf16 autocast for --precision bf16-mixed, unless the strategy's wrappers apply
+        the precision themselves (FSDP's mixed-precision policy)."""
+        if self.config.precision != "bf16-mixed" or self.handles_precision:
+            return contextlib.nullcontext()
+        return torch.autocast(self.topology.device.type, dtype=torch.bfloat16)
+
+    def forward_backward(
+        self, batch: Any, loss_fn: Callable[..., torch.Tensor], scale: float
+    ) -> torch.Tensor:
+        """The step seam: forward and backward of one micro-batch of one process.
+
+        `batch` is ``(inputs, targets)`` on `input_device`; ``loss_fn(model(inputs),
+        targets)`` is the micro-batch's mean loss, back-propagated times `scale` (its share
+        of the step's samples). Returns the unscaled loss, detached, on the device: never
+        read back here, so the step does not wait for the device. Every strategy's work
+        for a step happens here or in the optimizer's step.
+        """
+        inputs, targets = batch
+        with self.autocast():
+            loss = loss_fn(self.model(inputs), targets)  # type: ignore[misc]
+        self.backward(loss * scale)
+        return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and make the gradients ready for the optimizer."""

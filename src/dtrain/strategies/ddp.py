@@ -2,59 +2,39 @@
 
 DDP broadcasts rank 0's parameters at construction (replicas start equal) and averages
 gradients with bucketed ring all-reduce overlapped with backward (Li et al., VLDB 2020).
+A preset of the mesh strategies: ``dp_replicate = world size``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
-
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 
+from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.strategies.base import Strategy, register
+from dtrain.parallel.degrees import Degrees
+from dtrain.strategies.base import register
+from dtrain.strategies.mesh import MeshStrategy
 
 
 @register
-class DDP(Strategy):
+class DDP(MeshStrategy):
     """Data parallel over processes: each holds the whole model and 1/N of the batch."""
 
     name = "ddp"
-    multiprocess = True
     supports_sync_batchnorm = True
     order = 20
 
-    def setup(
-        self, model: nn.Module, optimizer: Optimizer | None
-    ) -> tuple[nn.Module, Optimizer | None]:
-        device = self.topology.device
-        model = model.to(device)
-        if self.config.sync_batchnorm:
-            if device.type != "cuda":
-                raise ConfigError(
-                    "--sync-batchnorm needs GPUs: PyTorch's SyncBatchNorm runs on CUDA only. "
-                    "Drop the flag on the CPU (each worker then keeps its own statistics)."
-                )
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self._module = model
-        self.model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-        return self.model, optimizer
+    @classmethod
+    def layout(cls, config: Config, world_size: int) -> Degrees:
+        return Degrees(dp_replicate=world_size)
 
-    def unwrap(self) -> nn.Module:
-        return self._module
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        assert isinstance(self.model, DistributedDataParallel)
-        with self.model.no_sync():
-            yield
-
-    def close(self) -> None:
-        # A DDP object alive when the process group is destroyed can abort the process.
-        self.model = None
-        gc.collect()
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """SyncBatchNorm layers when asked for (their statistics span every replica)."""
+        if not self.config.sync_batchnorm:
+            return model
+        if self.topology.device.type != "cuda":
+            raise ConfigError(
+                "--sync-batchnorm needs GPUs: PyTorch's SyncBatchNorm runs on CUDA only. "
+                "Drop the flag on the CPU (each worker then keeps its own statistics)."
+            )
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model, self.mesh.dp_group)

@@ -16,7 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from dtrain.errors import SetupError
-from dtrain.strategies.base import register
+from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.ddp import DDP
 from dtrain.strategies.rebuild import constructor_kwargs
 
@@ -52,4 +52,5 @@ class Zero1(DDP):
     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
-        return super().full_state(optimizer)
+        # Rank 0 alone holds the consolidated state: skip the mesh's every-rank gathering.
+        return Strategy.full_state(self, optimizer)

@@ -1,0 +1,107 @@
+"""Data parallelism applied to a model: replicas (DDP, `replicate`) or shards (FSDP2).
+
+One function per verb, each the only place its torch wrapper is configured:
+
+- `apply_ddp`: PyTorch DistributedDataParallel (Li et al., VLDB 2020), bucketed ring
+  all-reduce overlapped with backward, for a whole model replicated over the dp ranks.
+- `apply_replicate`: the composable, FSDP2-based replicate, for replicas of parts that are
+  themselves pipeline stages or hold DTensor (tensor-parallel) parameters.
+- `apply_fsdp`: `fully_shard` (ZeRO stage 2 or 3, Rajbhandari et al., SC'20) block by block
+  then the root, with explicit prefetching, mixed precision and CPU offload honoured the
+  same way for every strategy that shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from dtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """What `apply_fsdp` configures, the same for zero2, zero3 and hybrid's sharded dp."""
+
+    reshard_after_forward: bool
+    """True frees a block's gathered parameters after its forward (ZeRO-3); False keeps
+    them to backward (ZeRO-2)."""
+    precision: str = "fp32"
+    """``bf16-mixed``: bf16 parameters in compute, fp32 gradient reduction and outputs."""
+    cpu_offload: bool = False
+    """Keep the shards (parameters, gradients, optimizer state) in host memory."""
+    prefetch: bool = True
+    """Gather the next block's parameters while the current one computes."""
+
+    def fully_shard_kwargs(self, mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
+        """The keyword arguments of `fully_shard` for these options on `mesh`."""
+        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
+        if self.precision == "bf16-mixed":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+            )
+        if self.cpu_offload:
+            if device.type != "cuda":
+                raise ConfigError(
+                    "--cpu-offload moves sharded parameters, gradients and optimizer state "
+                    "from the GPUs to host memory; without GPUs there is nothing to offload. "
+                    "Drop the flag on the CPU."
+                )
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        return kwargs
+
+
+def apply_ddp(
+    model: nn.Module, group: dist.ProcessGroup, device: torch.device
+) -> DistributedDataParallel:
+    """`model` replicated over `group` with DistributedDataParallel (broadcasts rank 0's
+    parameters at construction, so the replicas start equal)."""
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=group,
+    )
+
+
+def apply_replicate(
+    units: list[nn.Module], blocks: list[list[nn.Module]], mesh: DeviceMesh
+) -> None:
+    """Replicate each unit (a whole model or a pipeline stage) over `mesh`, block by block
+    (so each block's gradients are reduced as soon as its backward is done)."""
+    # A private module of recent torch: imported here so `import dtrain` never needs it.
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for unit, inner in zip(units, blocks, strict=True):
+        for block in inner:
+            if any(p.requires_grad for p in block.parameters()):
+                replicate(block, mesh=mesh)
+        replicate(unit, mesh=mesh)
+
+
+def apply_fsdp(
+    units: list[nn.Module],
+    blocks: list[list[nn.Module]],
+    mesh: DeviceMesh,
+    options: ShardOptions,
+    device: torch.device,
+) -> None:
+    """Shard each unit (a whole model or a pipeline stage) over `mesh`: its blocks first,
+    then the unit itself (which takes the remaining parameters), then link the blocks for
+    explicit prefetching (forward: the next block; backward: the previous one)."""
+    kwargs = options.fully_shard_kwargs(mesh, device)
+    for unit, inner in zip(units, blocks, strict=True):
+        trainable = [b for b in inner if any(p.requires_grad for p in b.parameters())]
+        for block in trainable:
+            fully_shard(block, **kwargs)
+        fully_shard(unit, **kwargs)
+        if options.prefetch:
+            for current, following in zip(trainable, trainable[1:], strict=False):
+                current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
+                following.set_modules_to_backward_prefetch([current])  # type: ignore[operator]

@@ -1,0 +1,127 @@
+"""Apply the parallelisms of a :class:`Degrees` to a model that knows nothing of them.
+
+The order is fixed, as in torchtitan, because each step needs what the one before left:
+
+1. pp: cut the model's chain of layers into stages, in host memory, and keep this rank's
+   (so a model bigger than one device fits once split);
+2. move this rank's units (the stages, or the whole model) to its device;
+3. tp: shard each unit's matrices with the model's tensor-parallel plan (DTensor);
+4. dp: replicate (DDP, or `replicate` when composed with pp/tp) or shard (FSDP2) each unit
+   over the data-parallel ranks, block by block;
+5. pp: build the schedule over the wrapped stages.
+
+Every mesh strategy (ddp, zero2, zero3, pipeline, tensor, hybrid) is this function with
+other degrees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dtrain.config import Config
+from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
+from dtrain.parallel.degrees import ParallelMesh
+from dtrain.parallel.pipeline import Pipeline, PipelineModel
+from dtrain.parallel.split import Stage, layers_of, split_layers
+from dtrain.parallel.tensor_plan import apply_tp, plan_of
+from dtrain.strategies.blocks import find_blocks
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` made of a model on this rank."""
+
+    model: nn.Module
+    """What the training loop calls (a DDP wrapper, a pipeline model, or the model)."""
+    local: nn.Module
+    """This rank's part under canonical names (the whole model, or its stages' layers)."""
+    pipeline: Pipeline | None = None
+    """The schedule over this rank's stages (pp > 1)."""
+
+
+def microbatches(config: Config, pp: int) -> int:
+    """Micro-batches per pipeline step: --microbatches, or max(4, stages)."""
+    return config.microbatches or max(4, pp)
+
+
+def virtual_stages(config: Config) -> int:
+    """Stages per pipeline rank: --virtual-stages (default 2) when interleaved, else 1."""
+    return (config.virtual_stages or 2) if config.schedule == "interleaved" else 1
+
+
+def shard_options(config: Config, reshard_after_forward: bool, pp_enabled: bool) -> ShardOptions:
+    """The FSDP options of `config`. Under a pipeline the gathered parameters are kept from
+    forward to backward: with reshard after forward, every micro-batch would gather them
+    again (torchtitan makes the same choice)."""
+    return ShardOptions(
+        reshard_after_forward=reshard_after_forward and not pp_enabled,
+        precision=config.precision,
+        cpu_offload=config.cpu_offload,
+    )
+
+
+def split_stages(model: nn.Module, pp: int, pp_rank: int, config: Config) -> dict[int, Stage]:
+    """This rank's stages: s = pp_rank, pp_rank + P, ... of P x V balanced stages."""
+    count = pp * virtual_stages(config)
+    groups = split_layers(layers_of(model), count, config.split_points)
+    return {s: Stage(groups[s]) for s in range(pp_rank, count, pp)}
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    config: Config,
+    device: torch.device,
+    shard: ShardOptions | None,
+) -> Parallelized:
+    """Apply pp, tp and dp to `model` in the fixed order above.
+
+    `shard` None replicates the data-parallel ranks (nothing to do with one); otherwise
+    they shard with these options (FSDP2 applies them even on one rank).
+    """
+    d = mesh.degrees
+    plan = plan_of(model, d.tp) if d.tp_enabled else None
+    # 1. pp: split where the model was built.
+    stages = split_stages(model, d.pp, mesh.local_rank("pp"), config) if d.pp_enabled else {}
+    units: list[nn.Module] = list(stages.values()) or [model]
+    # 2. device, 3. tp.
+    for unit in units:
+        unit.to(device)
+        if plan is not None:
+            apply_tp(unit, mesh["tp"], plan)
+    local = (
+        Stage([layer for s in sorted(stages) for layer in stages[s].layers]) if stages else model
+    )
+    # 4. dp.
+    wrapped: nn.Module = model
+    if shard is not None:
+        apply_fsdp(units, _blocks(units, config), mesh.dp_mesh, shard, device)
+    elif d.dp_enabled and (stages or plan is not None):
+        apply_replicate(units, _blocks(units, config), mesh.dp_mesh)
+    elif d.dp_enabled:
+        wrapped = apply_ddp(model, mesh.dp_group, device)
+    if not stages:
+        return Parallelized(wrapped, local)
+    # 5. pp: the schedule over the wrapped stages.
+    pipeline = Pipeline(
+        stages,
+        d.pp * virtual_stages(config),
+        config.schedule,
+        microbatches(config, d.pp),
+        mesh.group("pp"),
+        device,
+    )
+    return Parallelized(PipelineModel(local, pipeline), local, pipeline)
+
+
+def _blocks(units: list[nn.Module], config: Config) -> list[list[nn.Module]]:
+    """Each unit's blocks: a stage's layers, or the repeated blocks of a whole model."""
+    return [
+        [unit.get_submodule(n) for n in unit.layer_names]
+        if isinstance(unit, Stage)
+        else find_blocks(unit, config.blocks)
+        for unit in units
+    ]

@@ -1,0 +1,307 @@
+"""The mesh strategies: presets of data, pipeline and tensor degrees over one DeviceMesh.
+
+ddp, zero2, zero3, pipeline, tensor and hybrid differ only in their :class:`Degrees` and in
+whether the data-parallel ranks replicate or shard; :func:`parallelize` applies them in
+one fixed order. This class is what they share: the layout checks, the step seam (a
+pipeline schedule runs forward and backward there), gradient-sync control, and the whole
+state of the model gathered for checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from dtrain.checkpoint.format import expected_shapes
+from dtrain.config import Config
+from dtrain.errors import ConfigError, SetupError
+from dtrain.observe.logs import LOGGER
+from dtrain.parallel.data_parallel import ShardOptions
+from dtrain.parallel.degrees import Degrees
+from dtrain.parallel.parallelize import Parallelized, microbatches, parallelize, shard_options
+from dtrain.parallel.pipeline import Pipeline
+from dtrain.strategies.base import Strategy
+from dtrain.strategies.dcp_state import load_full_state, whole_state
+from dtrain.strategies.rebuild import group_names, rebuild
+from dtrain.topology import Topology
+
+
+class MeshStrategy(Strategy):
+    """A preset over :class:`Degrees`; subclasses say which degrees (`layout`) and how the
+    data-parallel ranks synchronise (`reshard_after_forward`, None for replicas)."""
+
+    multiprocess = True
+    reshard_after_forward: ClassVar[bool | None] = None
+    """None: data-parallel ranks hold replicas (ddp); True/False: they shard with FSDP2,
+    freeing gathered parameters after forward (zero3) or keeping them (zero2)."""
+
+    def __init__(self, config: Config, topology: Topology) -> None:
+        super().__init__(config, topology)
+        self.degrees = self.layout(config, topology.world_size)
+        self.mesh = self.degrees.mesh(topology.device.type)
+        self.parts: Parallelized | None = None
+        self._whole: dict[str, torch.Size] = {}
+        self._model_class = ""
+        # Checkpoint parts travel to rank 0 through host memory, never a GPU buffer.
+        self._host_group = (
+            dist.new_group(backend="gloo")
+            if topology.backend != "gloo" and self.degrees.pp_enabled
+            else None
+        )
+
+    # -- layout ---------------------------------------------------------------------------
+    @classmethod
+    def layout(cls, config: Config, world_size: int) -> Degrees:
+        """The degrees for `config` on `world_size` processes, checked (a ConfigError
+        naming the fix otherwise)."""
+        raise NotImplementedError
+
+    @classmethod
+    def dp_mode(cls, config: Config) -> str:
+        """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
+        if cls.reshard_after_forward is None:
+            return "ddp"
+        return "zero3" if cls.reshard_after_forward else "zero2"
+
+    @classmethod
+    def batch_layout(cls, config: Config) -> tuple[int, int]:
+        degrees = cls.layout(config, config.nproc * config.nnodes)
+        splits = microbatches(config, degrees.pp) if degrees.pp_enabled else 1
+        return degrees.dp, splits
+
+    @classmethod
+    def check_launch(cls, config: Config) -> None:
+        super().check_launch(config)
+        cls.layout(config, config.nproc * config.nnodes)
+
+    @property
+    def shard(self) -> ShardOptions | None:
+        """The FSDP options when the data-parallel ranks shard, else None."""
+        mode = self.dp_mode(self.config)
+        if mode == "ddp":
+            return None
+        return shard_options(self.config, mode == "zero3", self.degrees.pp_enabled)
+
+    @property
+    def handles_precision(self) -> bool:  # type: ignore[override]
+        return self.shard is not None
+
+    @property
+    def collective_forward(self) -> bool:  # type: ignore[override]
+        """Sharded parameters are gathered in forward, and replicas of pipeline stages or
+        tensor-parallel layers (`replicate`) act there too."""
+        d = self.degrees
+        return self.shard is not None or (d.dp_enabled and (d.pp_enabled or d.tp_enabled))
+
+    @property
+    def dp_size(self) -> int:
+        return self.degrees.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.dp_group
+
+    @property
+    def train_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The schedule over this rank's stages, under a pipeline."""
+        return self.parts.pipeline if self.parts is not None else None
+
+    @property
+    def pipelined(self) -> bool:
+        return self.degrees.pp_enabled
+
+    @property
+    def micro_splits(self) -> int:
+        return microbatches(self.config, self.degrees.pp) if self.pipelined else 1
+
+    # -- setup ----------------------------------------------------------------------------
+    def setup(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
+        if self.shard is not None and not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError(
+                f"Strategy {self.name} shards parameters, but the model has none to train; "
+                "use --strategy single or ddp for a model without trainable parameters."
+            )
+        names = group_names(optimizer, model) if optimizer is not None else []
+        self._whole = expected_shapes(model)
+        self._model_class = type(model).__name__
+        model = self.prepare(model)
+        self.parts = parallelize(model, self.mesh, self.config, self.topology.device, self.shard)
+        self.model = self.parts.model
+        if self.pipeline is not None:
+            for s, stage in sorted(self.pipeline.modules.items()):
+                LOGGER.info("pipeline stage %d: %s", s, ", ".join(stage.layer_names))
+        if optimizer is None:
+            return self.model, None
+        if self.shard is None and not self.degrees.pp_enabled and not self.degrees.tp_enabled:
+            return self.model, optimizer  # the same parameter objects: nothing to rebuild
+        local = self.parts.local
+        here = {n for n, _ in local.named_parameters()}
+        mine = [[n for n in group if n in here] for group in names]
+        return self.model, rebuild(optimizer, mine, local)
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Changes a preset makes to the model before it is parallelised (none here)."""
+        return model
+
+    @property
+    def model_class(self) -> str:
+        return self._model_class
+
+    # -- the step -------------------------------------------------------------------------
+    def forward_backward(
+        self, batch: Any, loss_fn: Callable[..., torch.Tensor], scale: float
+    ) -> torch.Tensor:
+        """Under a pipeline, the schedule runs every stage's forward and backward over
+        the micro-batches; the batch's loss is averaged over the dp replicas, so a
+        non-finite loss on any of them is seen by all."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            return super().forward_backward(batch, loss_fn, scale)
+        inputs, targets = batch
+        with self.autocast():
+            loss = pipeline.step(inputs, targets, loss_fn)
+        if self.degrees.dp_enabled:
+            dist.all_reduce(loss, group=self.dp_group)
+            loss = loss / self.degrees.dp
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.pipelined:
+            raise SetupError(
+                "Under a pipeline the schedule runs backward itself; train with "
+                "engine.train_step(batch, loss_fn) instead of engine.backward(loss)."
+            )
+        loss.backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the last micro-batch synchronises over dp."""
+        model = self.model
+        if isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+            return
+        sync = getattr(model, "set_requires_gradient_sync", None)
+        if sync is None:
+            yield
+            return
+        sync(False)
+        try:
+            yield
+        finally:
+            sync(True)
+
+    def unwrap(self) -> nn.Module:
+        assert self.parts is not None
+        return self.parts.local
+
+    def eval_module(self) -> nn.Module:
+        assert self.model is not None
+        return self.model if self.pipelined else self.unwrap()
+
+    def report(self) -> dict[str, object]:
+        """The layout; under a pipeline, the schedule, each stage's layers and its compute
+        time per step (an unbalanced split shows as one stage computing longer)."""
+        out: dict[str, object] = {"layout": self.degrees.describe()}
+        p = self.pipeline
+        if p is None:
+            return out
+        p.settle_timers()
+        per_step = 1000 / max(p.steps, 1)
+        mine = {
+            s: (module.layer_names, p.compute_seconds[s] * per_step)
+            for s, module in p.modules.items()
+        }
+        everyone: list[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(everyone, mine)
+        stages: dict[int, tuple[list[str], list[float]]] = {}
+        for part in everyone:
+            for s, (names, ms) in part.items():
+                stages.setdefault(s, (names, []))[1].append(ms)
+        order = sorted(stages)
+        out["schedule"] = f"{self.config.schedule}, {p.microbatches} micro-batches"
+        out["stages"] = " / ".join("+".join(stages[s][0]) for s in order)
+        out["stage_compute_ms"] = " / ".join(
+            f"{sum(stages[s][1]) / len(stages[s][1]):.1f}" for s in order
+        )
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def full_state(
+        self, optimizer: Optimizer | None
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """Whole tensors gathered one at a time by the first rank of each stage (dp 0,
+        tp 0), then the stages' parts sent to rank 0."""
+        local = self.unwrap()
+        main = self.topology.is_main
+        m = self.mesh
+        first = m.dp_rank == 0 and m.local_rank("tp") == 0
+        part = whole_state(local, optimizer, keep=first)
+        if not self.degrees.pp_enabled:
+            return part if main else (None, None)
+        senders = [m.rank_at(pp=p) for p in range(1, self.degrees.pp)]
+        if first and not main:
+            dist.send_object_list([part], dst=0, group=self._host_group)
+        if not main:
+            return None, None
+        parts = [part]
+        for src in senders:
+            received: list[Any] = [None]
+            dist.recv_object_list(received, src=src, group=self._host_group)
+            parts.append(received[0])
+        return _merge(parts)
+
+    def load_full_state(
+        self,
+        tensors: dict[str, torch.Tensor],
+        optimizer: Optimizer | None,
+        optimizer_state: dict[str, Any] | None,
+        strict: bool,
+    ) -> list[str]:
+        whole = self._whole if self.degrees.pp_enabled else None
+        return load_full_state(
+            self.unwrap(), tensors, optimizer, optimizer_state, strict, whole_model=whole
+        )
+
+    def close(self) -> None:
+        # A DDP or FSDP object alive when the process group is destroyed can abort the
+        # process on gloo.
+        self.parts = None
+        self.model = None
+        gc.collect()
+
+
+def _merge(
+    parts: list[tuple[dict[str, torch.Tensor], dict[str, Any] | None]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The whole model and optimizer state from the stages' parts."""
+    tensors = {k: v for part, _ in parts for k, v in part.items()}
+    states = [state for _, state in parts if state is not None]
+    if not states:
+        return tensors, None
+    groups = [dict(group, params=[]) for group in states[0]["param_groups"]]
+    for state in states:
+        for merged, group in zip(groups, state["param_groups"], strict=True):
+            merged["params"] += group["params"]
+    return tensors, {
+        "state": {k: v for s in states for k, v in s["state"].items()},
+        "param_groups": groups,
+    }
