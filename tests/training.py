@@ -17,6 +17,18 @@ from dtrain.models.gpt import GPT, SIZES, lm_loss
 
 GLOBAL_BATCH = 12  # divides over 1, 2, 3 workers, 2 or 3 towers, 2 micro-batches
 
+OPTIMIZERS: dict[str, Any] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "adam": lambda p: torch.optim.Adam(p, lr=3e-3),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+    # RMSprop divides by the root of its running mean square: with torch's eps 1e-8 a
+    # weight whose gradient is near zero moves by ~lr whatever the gradient's last digits,
+    # so a reduction in another order (tensor parallel) flips it. A larger eps keeps the
+    # comparison about the strategy, not about rounding.
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, eps=1e-4),
+}
+"""Optimizers every strategy must run as one process does (`train(optimizer_name=...)`)."""
+
 
 def train(
     steps: int = 10,
@@ -26,6 +38,7 @@ def train(
     model_name: str = "mlp",
     with_report: bool = False,
     manual: bool = False,
+    optimizer_name: str | None = None,
     **options: Any,
 ) -> Any:
     """Train `steps` steps under `options` (given to dtrain.init); return the parameters
@@ -33,6 +46,7 @@ def train(
 
     With `with_report`, return (parameters, the strategy's report) instead. With `manual`,
     step by hand (``engine.backward(loss); optimizer.step(); optimizer.zero_grad()``).
+    `optimizer_name` picks one of OPTIMIZERS instead of the model's default.
 
     With `checkpoint_in`, first load that checkpoint (any strategy may have written it);
     with `checkpoint_out`, save one at the end. `close=False` keeps the process group for
@@ -49,6 +63,8 @@ def train(
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         train_set, _ = load_digits()
         loss_fn = F.cross_entropy
+    if optimizer_name is not None:
+        optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     model, optimizer = engine.setup(model, optimizer)
     if checkpoint_in:
         engine.load(checkpoint_in)

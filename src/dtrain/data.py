@@ -83,13 +83,20 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return torch.randperm(self.dataset_size, generator=generator)
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self._order()
+        order = self._order().tolist()  # one conversion per epoch, not one per batch
         start, self.skip = self.skip, 0
         epoch = self.epoch
         for t in range(start, len(self)):
             global_batch = order[t * self.global_batch_size : (t + 1) * self.global_batch_size]
-            share = torch.tensor_split(global_batch, self.dp_size)[self.dp_rank]
-            yield share.tolist()
+            yield _share(global_batch, self.dp_size, self.dp_rank)
         # A loader iterated again without set_epoch moves on to the next shuffle.
         if self.epoch == epoch:
             self.epoch = epoch + 1
+
+
+def _share(batch: list[int], parts: int, index: int) -> list[int]:
+    """Part `index` of `batch` cut into `parts` near-equal runs, the first ones one longer
+    when it does not divide (as `torch.tensor_split` cuts)."""
+    size, rest = divmod(len(batch), parts)
+    start = index * size + min(index, rest)
+    return batch[start : start + size + (1 if index < rest else 0)]

@@ -1,0 +1,100 @@
+"""The step never waits for the device: the loss is read back every --log-every steps
+(and before checkpoints), and a non-finite loss is still caught and named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+
+import dtrain
+from dtrain.datasets import load_digits
+from dtrain.models.digits import DigitsMLP
+
+STEPS = 50
+
+
+def count_reads(strategy: str, log_every: int = 10) -> int:
+    """Host reads of tensors (`.item()`, `.tolist()`) inside `engine.train_step` over a
+    50-step loop (the loader's own reads of CPU index tensors, once per epoch, aside)."""
+    engine = dtrain.init(strategy=strategy, seed=0, log_every=log_every)
+    model = DigitsMLP(hidden=16)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    train_set, _ = load_digits()
+    loader = engine.dataloader(train_set, batch_size=8)
+    reads = 0
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist")}
+
+    def counted(name: str) -> Any:
+        def read(self: torch.Tensor, *args: Any) -> Any:
+            nonlocal reads
+            reads += 1
+            return originals[name](self, *args)
+
+        return read
+
+    for batch in engine.progress(loader):
+        for name in originals:
+            setattr(torch.Tensor, name, counted(name))
+        try:
+            engine.train_step(batch, F.cross_entropy)
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+        if engine.step == STEPS:
+            break
+    engine.close()
+    return reads
+
+
+def test_single_reads_the_loss_once_per_log_interval() -> None:
+    assert count_reads("single") == STEPS // 10
+    assert count_reads("single", log_every=25) == STEPS // 25
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_processes_read_the_loss_once_per_log_interval(strategy: str) -> None:
+    assert run_ranks(count_reads, 2, strategy) == [STEPS // 10] * 2
+
+
+def nan_at_step_three(tmp: Path) -> tuple[str, bool]:
+    """A loss that turns NaN at step 3 with --log-every 5: (the error, whether the save
+    attempted at step 4 left a checkpoint)."""
+    engine = dtrain.init(strategy="single", log_every=5)
+    model = DigitsMLP(hidden=4)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scale = float("nan") if engine.step == 2 else 1.0
+        return F.cross_entropy(out, y) * scale
+
+    for _ in range(3):
+        engine.train_step(batch, loss_fn)
+    with pytest.raises(dtrain.NonFiniteLossError) as error:
+        engine.save(tmp / "ckpt")
+    return str(error.value), (tmp / "ckpt").exists()
+
+
+def test_a_non_finite_loss_between_reads_is_named_and_never_saved(tmp_path: Path) -> None:
+    message, saved = nan_at_step_three(tmp_path)
+    assert "The loss is nan at step 3" in message
+    assert not saved
+
+
+def test_a_non_finite_loss_is_caught_at_the_log_interval() -> None:
+    engine = dtrain.init(strategy="single", log_every=4)
+    model = DigitsMLP(hidden=4)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    bad = lambda out, y: F.cross_entropy(out, y) * (float("inf") if engine.step == 1 else 1.0)  # noqa: E731
+    for _ in range(3):
+        engine.train_step(batch, bad)
+    with pytest.raises(dtrain.NonFiniteLossError, match="The loss is inf at step 2"):
+        engine.train_step(batch, bad)
+    assert engine.step == 3, "the step that read the loss took no update"
