@@ -101,3 +101,12 @@ def test_a_model_without_parameters_cannot_be_sharded() -> None:
 def test_unknown_precision() -> None:
     with pytest.raises(ConfigError, match="Unknown --precision 'fp8'"):
         dtrain.init(strategy="single", precision="fp8")
+
+
+def test_an_old_torch_is_refused_with_the_fix() -> None:
+    from dtrain.requirements import check_torch
+
+    check_torch("2.13.0+cpu")
+    check_torch("3.0.0")
+    with pytest.raises(ImportError, match=r"needs PyTorch 2\.13 or newer, but torch 2\.4\.1"):
+        check_torch("2.4.1")

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dtrain import requirements  # noqa: F401 - refuses too old a torch before it is used
 from dtrain.config import Config
 from dtrain.engine import Engine
 from dtrain.errors import (

@@ -14,38 +14,15 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
 
 from dtrain.checkpoint.format import check_fit, expected_shapes
 from dtrain.checkpoint.names import canonical_name
 from dtrain.checkpoint.optimizer_state import state_by_name
-
-
-def _to_cpu(value: Any) -> Any:
-    return value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) else value
-
-
-def gather_full_state(
-    module: nn.Module, optimizer: Optimizer | None
-) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """`module`'s whole tensors and name-keyed optimizer state on global rank 0's CPU
-    (other ranks get empty dictionaries); a collective over the ranks sharing its
-    DTensors."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    tensors = tree_map(_to_cpu, get_model_state_dict(module, options=options))
-    optimizer_state = (
-        tree_map(_to_cpu, get_optimizer_state_dict(module, optimizer, options=options))
-        if optimizer is not None
-        else None
-    )
-    return tensors, optimizer_state
 
 
 def whole_state(

@@ -1,0 +1,29 @@
+"""Refuse, at `import dtrain`, a PyTorch older than the oldest the test suite passed on.
+
+dtrain composes recent torch.distributed pieces (FSDP2 `fully_shard`, DTensor tensor
+parallel, `torch.distributed.pipelining`, DeviceMesh); on an older torch they fail deep
+inside torch with messages that do not say why. This says why, once, before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+OLDEST = (2, 13)
+"""The oldest torch release (major, minor) the test suite has passed on."""
+
+
+def check_torch(version: str) -> None:
+    """Raise ImportError naming the fix if `version` (e.g. "2.13.0+cpu") is too old."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) >= OLDEST:
+        return
+    raise ImportError(
+        f"dtrain needs PyTorch {OLDEST[0]}.{OLDEST[1]} or newer, but torch {version} is "
+        f"installed; upgrade it (pip install 'torch>={OLDEST[0]}.{OLDEST[1]}')."
+    )
+
+
+check_torch(torch.__version__)
