@@ -84,9 +84,11 @@ def report(title: str, pairs: list[tuple[float, float]], unit: str = "samples/s"
     print(f"{'repeat':>6} {'peer ' + unit:>18} {'dtrain ' + unit:>18} {'ratio':>7}")
     for i, (peer, ours) in enumerate(pairs):
         print(f"{i:>6} {peer:>18,.1f} {ours:>18,.1f} {ours / peer:>7.3f}")
-    ratio = statistics.median(ours / peer for peer, ours in pairs)
+    ratios = [ours / peer for peer, ours in pairs]
+    ratio = statistics.median(ratios)
     print(
         f"median peer {statistics.median(p for p, _ in pairs):,.1f} {unit}, median dtrain "
-        f"{statistics.median(o for _, o in pairs):,.1f} {unit}, median ratio {ratio:.3f}\n"
+        f"{statistics.median(o for _, o in pairs):,.1f} {unit}, median ratio {ratio:.3f} "
+        f"(spread {min(ratios):.3f} - {max(ratios):.3f})\n"
     )
     return ratio
