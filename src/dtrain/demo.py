@@ -28,7 +28,7 @@ from dtrain.tasks import OPTIMIZERS, TASKS, make_optimizer
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
-    """The TRAINING flags of `dtrain demo` (DESIGN.md's contract)."""
+    """The TRAINING flags of `dtrain demo` (listed in README.md)."""
     g = parser.add_argument_group("training")
     g.add_argument("--model", default="cnn", choices=MODELS, help="Bundled model.")
     g.add_argument("--model-size", default=None, choices=sorted(SIZES), help="Size of --model gpt.")

@@ -1,4 +1,5 @@
-"""Results: the metrics JSON (DESIGN.md's contract) and the short table printed at the end."""
+"""Results: the metrics JSON (the keys other tools read, listed in README.md) and the short
+table printed at the end."""
 
 from __future__ import annotations
 
