@@ -51,6 +51,8 @@ class LossWatch:
             return self.last
         state = self._state
         if distributed:
+            if dist.get_backend(group) == "gloo":
+                state = state.cpu()  # gloo gathers host tensors; this is the read anyway
             everyone = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
             dist.all_gather(everyone, state, group=group)
             state = torch.stack(everyone)
