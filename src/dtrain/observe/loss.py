@@ -45,8 +45,9 @@ class LossWatch:
         self.unread = True
 
     def read(self, group: dist.ProcessGroup | None, distributed: bool) -> float | None:
-        """The last loss, read back in one transfer; a NonFiniteLossError on every rank of
-        `group` if any rank's loss was ever non-finite (collective when `distributed`)."""
+        """The last loss of the global batch (the mean over `group`'s ranks when
+        `distributed`, a collective), read back in one transfer; a NonFiniteLossError on
+        every rank if any rank's loss was ever non-finite."""
         if self._state is None:
             return self.last
         state = self._state
@@ -58,10 +59,11 @@ class LossWatch:
             state = torch.stack(everyone)
         values = state.reshape(-1, 3).tolist()
         self.unread = False
-        mine = values[dist.get_rank(group) if distributed else 0]
         bad = [(step, value, rank) for rank, (_, step, value) in enumerate(values) if step]
         if bad:
             step, value, rank = min(bad)
             raise NonFiniteLossError(int(step), value, rank if distributed else None)
-        self.last = mine[0]
+        # Every rank's share is the same size, so the mean of their means is the loss of the
+        # global batch (what `single` shows); ranks holding copies (tp, pp) count alike.
+        self.last = sum(row[0] for row in values) / len(values)
         return self.last
