@@ -40,12 +40,20 @@ class ShardOptions:
     prefetch: bool = True
     """Gather the next block's parameters while the current one computes."""
 
-    def fully_shard_kwargs(self, mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
-        """The keyword arguments of `fully_shard` for these options on `mesh`."""
+    def fully_shard_kwargs(
+        self, mesh: DeviceMesh, device: torch.device, root: bool
+    ) -> dict[str, Any]:
+        """The keyword arguments of `fully_shard` for these options on `mesh`, for a block
+        or for the `root` (the whole model or a pipeline stage)."""
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
         if self.precision == "bf16-mixed":
+            # Blocks hand bf16 activations to each other; only the root's output (what the
+            # loss sees) goes back to fp32. An fp32 output from every block would reach the
+            # next bf16 layer norm, which the CPU kernels refuse.
             kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float32,
+                output_dtype=torch.float32 if root else None,
             )
         if self.cpu_offload:
             if device.type != "cuda":
@@ -95,12 +103,11 @@ def apply_fsdp(
     """Shard each unit (a whole model or a pipeline stage) over `mesh`: its blocks first,
     then the unit itself (which takes the remaining parameters), then link the blocks for
     explicit prefetching (forward: the next block; backward: the previous one)."""
-    kwargs = options.fully_shard_kwargs(mesh, device)
     for unit, inner in zip(units, blocks, strict=True):
         trainable = [b for b in inner if any(p.requires_grad for p in b.parameters())]
         for block in trainable:
-            fully_shard(block, **kwargs)
-        fully_shard(unit, **kwargs)
+            fully_shard(block, **options.fully_shard_kwargs(mesh, device, root=False))
+        fully_shard(unit, **options.fully_shard_kwargs(mesh, device, root=True))
         if options.prefetch:
             for current, following in zip(trainable, trainable[1:], strict=False):
                 current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
