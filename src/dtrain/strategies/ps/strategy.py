@@ -102,6 +102,13 @@ class ParameterServer(Strategy):
     def dp_group(self) -> dist.ProcessGroup | None:
         return self._workers_group
 
+    @property
+    def lockstep(self) -> bool:
+        """False: workers meet only through the servers. A collective among them at the
+        loss reads could wait on a worker whose round the servers are still filling
+        (backup workers, async, ssp); each worker checks its own loss."""
+        return False
+
     # -- setup -----------------------------------------------------------------------------
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
