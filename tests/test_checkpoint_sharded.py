@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 from conftest import run_cli
 from distributed import run_ranks
+from test_ps import run_ps
 from torch.testing import assert_close
 from training import train, train_variants
 
@@ -105,7 +106,7 @@ def test_single_loads_the_same_state_and_continues_identically(
 
 
 @pytest.mark.timeout(300)
-def test_ddp_and_pipeline_load_a_zero3_sharded_checkpoint(
+def test_ddp_tensor_and_pipeline_load_a_zero3_sharded_checkpoint(
     saved: dict[str, Path], uninterrupted: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     path = str(saved["sharded"])
@@ -113,20 +114,32 @@ def test_ddp_and_pipeline_load_a_zero3_sharded_checkpoint(
     variants = [
         {"steps": 0, "checkpoint_in": path, "checkpoint_out": str(again), "strategy": "ddp"},
         {"steps": 5, "checkpoint_in": path, "strategy": "ddp"},
+        {"steps": 5, "checkpoint_in": path, "strategy": "tensor"},
         # Each stage reads its own layers, then writes them: a sharded checkpoint of parts.
         {"steps": 5, "checkpoint_in": path, "checkpoint_out": str(staged), "strategy": "pipeline"}
         | SHARDED,
     ]
     variants = [{**v, **GPT_RUN} for v in variants]
-    _, under_ddp, under_pipeline = run_ranks(train_variants, 2, variants, timeout=280)[0]
+    _, *continued = run_ranks(train_variants, 2, variants, timeout=280)[0]
     assert_same_state(consolidated_state(again), consolidated_state(saved["consolidated"]))
-    assert_close(under_ddp, uninterrupted)
-    assert_close(under_pipeline, uninterrupted)
+    for variant, params in zip(variants[1:], continued, strict=True):
+        strategy = variant["strategy"]
+        assert_close(params, uninterrupted, msg=lambda m, s=strategy: f"{s}: {m}")
     assert json.loads((staged / "manifest.json").read_text())["strategy"] == "pipeline"
     train(steps=0, checkpoint_in=str(staged), checkpoint_out=str(from_stages), **GPT_RUN)
     tensors, optimizer = consolidated_state(from_stages)
     assert_close(tensors, uninterrupted)
     assert set(optimizer["state"]) == set(uninterrupted)
+
+
+@pytest.mark.timeout(240)
+def test_ps_saves_in_the_background_and_loads_sharded_checkpoints(tmp_path: Path) -> None:
+    """Under ps rank 0 writes alone what the servers hold; the workers load it whole."""
+    path = str(tmp_path / "ps")
+    options = {"checkpoint_format": "sharded", "async_checkpoint": True}
+    ten = run_ps(2, 1, checkpoint_out=path, **options)[0]
+    assert_close(train(steps=0, checkpoint_in=path), ten)
+    assert_close(run_ps(2, 1, checkpoint_in=path)[0], train(steps=20, strategy="single"))
 
 
 def test_a_checkpoint_of_another_model_or_optimizer_is_refused(saved: dict[str, Path]) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtrain.checkpoint.dcp_io import MODEL, OPTIMIZER, read_entries
-from dtrain.checkpoint.flat_optimizer import unflatten
 from dtrain.checkpoint.format import (
     TRAINER_FILE,
     is_sharded,
@@ -16,6 +14,7 @@ from dtrain.checkpoint.format import (
     write,
 )
 from dtrain.checkpoint.plain import read_model_state, write_plain
+from dtrain.checkpoint.sharded_load import read_whole
 from dtrain.checkpoint.verify import verify
 from dtrain.errors import CheckpointError
 
@@ -46,7 +45,7 @@ def convert(src: Path, dst: Path) -> str:
         )
     if dst.suffix in PLAIN_SUFFIXES:
         if is_sharded(manifest):
-            tensors = {k.removeprefix(MODEL): v for k, v in read_entries(src, MODEL).items()}
+            tensors, _ = read_whole(src, None)
         else:
             tensors = read_model(src)
         write_plain(dst, tensors)
@@ -61,12 +60,8 @@ def convert(src: Path, dst: Path) -> str:
 
 def _consolidate(src: Path, dst: Path, manifest: dict) -> str:
     """Write the sharded checkpoint `src` as the consolidated checkpoint `dst`."""
-    entries = read_entries(src)
-    tensors = {k.removeprefix(MODEL): v for k, v in entries.items() if k.startswith(MODEL)}
-    flat = {k.removeprefix(OPTIMIZER): v for k, v in entries.items() if k.startswith(OPTIMIZER)}
     trainer = read_pt(src, TRAINER_FILE) or {}
-    groups = trainer.pop("optimizer_groups", None)
-    optimizer_state = unflatten(flat, groups) if flat and groups is not None else None
+    tensors, optimizer_state = read_whole(src, trainer.pop("optimizer_groups", None))
     info = {k: v for k, v in manifest.items() if k not in _FILE_FIELDS}
     write(dst, tensors, optimizer_state, trainer, {**info, "source": str(src)})
     held = "model, optimizer and trainer state" if optimizer_state else "model and trainer state"

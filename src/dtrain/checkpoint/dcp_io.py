@@ -13,7 +13,7 @@ import contextlib
 import io
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,27 +116,28 @@ class SafeReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, with every non-tensor value read with weights_only=True."""
+    """DCP's load planner over a flat state (keys as in the index), with every
+    non-tensor value read with weights_only=True."""
+
+    def __init__(self) -> None:
+        # Flat in, flat out: values land in the very dictionary given to `dcp.load`.
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
         try:
-            loaded = torch.load(value, weights_only=True)
+            self.state_dict[key] = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise CheckpointError(
-                f"The checkpoint's entry {read_item.dest_index.fqn} holds Python objects that "
-                f"dtrain will not unpickle ({str(e).splitlines()[0]}); use checkpoints from "
-                "code you trust."
+                f"The checkpoint's entry {key} holds Python objects that dtrain will not "
+                f"unpickle ({str(e).splitlines()[0]}); use checkpoints from code you trust."
             ) from None
-        # The parent unpickles without restriction: hand it what was just read safely.
-        safe = io.BytesIO()
-        torch.save(loaded, safe)
-        safe.seek(0)
-        super().load_bytes(read_item, safe)
 
 
 def load(state: dict[str, Any], path: Path, group: Any, distributed: bool) -> None:
-    """`dcp.load` of `path` into `state` (in place), safely; collective over `group`
-    when `distributed`, else this process alone."""
+    """`dcp.load` of `path` into the flat `state` (keys as in the index: tensors are read
+    in place, other values replaced), safely; collective over `group` when
+    `distributed`, else this process alone."""
     with alone_quietly():
         dcp.load(
             state,
@@ -156,16 +157,16 @@ def model_entries(metadata: Metadata) -> dict[str, tuple[list[int], torch.dtype]
     }
 
 
-def read_entries(path: Path, prefix: str = "") -> dict[str, Any]:
-    """Every entry of the checkpoint at `path` whose key starts with `prefix`, whole and
-    on the CPU, by its key in the index; read by this process alone (no process group)."""
+def read_entries(path: Path, keep: Callable[[str], bool]) -> dict[str, Any]:
+    """The entries of the checkpoint at `path` whose key (in the index) `keep` accepts,
+    whole and on the CPU; read by this process alone (no process group)."""
     metadata = read_metadata(path)
     state: dict[str, Any] = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         if isinstance(md, TensorStorageMetadata)
         else None
         for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix)
+        if keep(key)
     }
     load(state, path, None, distributed=False)
     return state

@@ -12,6 +12,7 @@ read back into it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 STATE = "state."
@@ -79,6 +80,18 @@ def parameter_of(key: str, names: set[str]) -> str | None:
                 if ".".join(parts[:end]) in names:
                     return ".".join(parts[:end])
     return None
+
+
+def needed(groups: list[list[str]]) -> Callable[[str], bool]:
+    """Which flat keys a load reads, given the groups by name: all the state, and the
+    settings of each group's first parameter only (its other parameters carry the same
+    ones, and readers take the first's), which spares reading most small values."""
+    firsts = {group[0] for group in groups if group}
+
+    def wanted(key: str) -> bool:
+        return key.startswith(STATE) or parameter_of(key, firsts) is not None
+
+    return wanted
 
 
 def merge_groups(parts: list[list[list[str]] | None]) -> list[list[str]] | None:

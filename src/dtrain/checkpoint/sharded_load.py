@@ -34,7 +34,14 @@ from dtrain.checkpoint.dcp_io import (
     read_entries,
     read_metadata,
 )
-from dtrain.checkpoint.flat_optimizer import GROUPS, STATE, flatten, parameter_of, unflatten
+from dtrain.checkpoint.flat_optimizer import (
+    GROUPS,
+    STATE,
+    flatten,
+    needed,
+    parameter_of,
+    unflatten,
+)
 from dtrain.checkpoint.format import check_fit, expected_shapes
 from dtrain.checkpoint.optimizer_state import parameter_names, state_by_name
 from dtrain.collectives import gather_objects
@@ -84,19 +91,34 @@ def _load_whole(
     groups: list[list[str]] | None,
 ) -> list[str]:
     check_fit(expected_shapes(strategy.unwrap()), found, strict)  # before reading anything
-    entries = read_entries(path, "" if optimizer is not None else MODEL)
-    tensors = {k.removeprefix(MODEL): v for k, v in entries.items() if k.startswith(MODEL)}
-    optimizer_state = None
-    if optimizer is not None:
-        if groups is None:
-            raise CheckpointError(
-                f"{path} holds optimizer state but its trainer state does not say which "
-                "parameter group each parameter is in; the checkpoint is damaged. Resume from "
-                "an older checkpoint."
-            )
-        flat = {k.removeprefix(OPTIMIZER): v for k, v in entries.items() if k.startswith(OPTIMIZER)}
-        optimizer_state = unflatten(flat, groups)
+    if optimizer is not None and groups is None:
+        raise CheckpointError(
+            f"{path} holds optimizer state but its trainer state does not say which "
+            "parameter group each parameter is in; the checkpoint is damaged. Resume from "
+            "an older checkpoint."
+        )
+    tensors, optimizer_state = read_whole(path, groups if optimizer is not None else None)
     return strategy.load_full_state(tensors, optimizer, optimizer_state, strict)
+
+
+def read_whole(
+    path: Path, groups: list[list[str]] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The whole model (canonical names) and, given the optimizer's `groups` by name, the
+    name-keyed optimizer state of the sharded checkpoint at `path`, read by this process
+    alone."""
+    settings = needed(groups) if groups is not None else None
+
+    def keep(key: str) -> bool:
+        if key.startswith(OPTIMIZER):
+            return settings is not None and settings(key.removeprefix(OPTIMIZER))
+        return key.startswith(MODEL)
+
+    entries = read_entries(path, keep)
+    tensors = {k.removeprefix(MODEL): v for k, v in entries.items() if k.startswith(MODEL)}
+    flat = {k.removeprefix(OPTIMIZER): v for k, v in entries.items() if k.startswith(OPTIMIZER)}
+    optimizer_state = unflatten(flat, groups) if flat and groups is not None else None
+    return tensors, optimizer_state
 
 
 def _load_by_module(
@@ -114,20 +136,23 @@ def _load_by_module(
         whole.update(part)
     skipped = set(check_fit(whole, found, strict))
     model = get_model_state_dict(module)
-    request: dict[str, Any] = {"model": {k: v for k, v in model.items() if k not in skipped}}
+    request = {MODEL + k: v for k, v in model.items() if k not in skipped}
     names = set(parameter_names(module).values())
     target = None
     if optimizer is not None:
         target, with_state = _optimizer_target(module, optimizer, keys, skipped)
-        request["optim"] = {
-            k: v for k, v in target.items() if parameter_of(k, names) not in skipped
-        }
+        wanted = needed(_groups_by_name(optimizer, module))
+        request.update(
+            (OPTIMIZER + k, v)
+            for k, v in target.items()
+            if wanted(k) and parameter_of(k, names) not in skipped
+        )
     # Tensors are read in place into this rank's shards; other values are replaced.
     load(request, path, group, distributed=dist.is_initialized())
-    options = StateDictOptions(strict=not skipped)
-    set_model_state_dict(module, {**model, **request["model"]}, options=options)
+    model.update((k, request[MODEL + k]) for k in model if MODEL + k in request)
+    set_model_state_dict(module, model, options=StateDictOptions(strict=not skipped))
     if optimizer is not None and target is not None:
-        target.update(request["optim"])
+        target.update((k, request[OPTIMIZER + k]) for k in target if OPTIMIZER + k in request)
         if with_state:
             set_optimizer_state_dict(module, optimizer, target, options=FLAT)
         else:
@@ -168,12 +193,17 @@ def _check_keys(wanted: dict[str, Any], keys: set[str], skipped: set[str], names
         )
 
 
+def _groups_by_name(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
+    named = state_by_name(optimizer, module, lambda _: None)["param_groups"]
+    return [group["params"] for group in named]
+
+
 def _apply_settings(optimizer: Optimizer, module: nn.Module, flat: dict[str, Any]) -> None:
     """Set each group's hyperparameters from flat ``param_groups.<name>.<setting>`` entries."""
-    named = state_by_name(optimizer, module, lambda _: None)["param_groups"]
-    for group, names in zip(optimizer.param_groups, named, strict=True):
-        if names["params"]:
-            first = names["params"][0]
+    for group, names in zip(
+        optimizer.param_groups, _groups_by_name(optimizer, module), strict=True
+    ):
+        if names:
             for setting in group:
                 if setting != "params":
-                    group[setting] = flat[f"{GROUPS}{first}.{setting}"]
+                    group[setting] = flat[f"{GROUPS}{names[0]}.{setting}"]
