@@ -19,6 +19,7 @@ configurations alternating, `--repeats` times; medians and ratios are printed.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -31,22 +32,32 @@ from harness import launch
 from torch import nn
 
 import dtrain
+from dtrain.config import Config
 from dtrain.models import build
+from dtrain.strategies import lookup
+from dtrain.strategies.ps import serving
+from dtrain.topology import init_process_group
+
+
+def role(options: dict[str, Any]) -> Any:
+    """What the launcher runs on this rank instead of the script (a server's serving), or
+    None on a rank that runs the script."""
+    return lookup(options["strategy"]).role_main(Config(**options), int(os.environ["RANK"]))
 
 
 def train_job(options: dict[str, Any], args: argparse.Namespace, slow_rank: int | None) -> Any:
-    """Train `args.steps` timed steps under `options`; a server returns None.
+    """Train `args.steps` timed steps under `options`; a server serves and returns None.
 
     Returns (this worker's rank, its steps, its seconds, its per-worker batch).
     """
     torch.set_num_threads(1)
-    try:
-        engine = dtrain.init(seed=0, **options)
-        model = build(args.model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        model, optimizer = engine.setup(model, optimizer)
-    except SystemExit:
-        return None  # a parameter server, done serving
+    serve = role(options)
+    if serve is not None:
+        return serve()
+    engine = dtrain.init(seed=0, **options)
+    model = build(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, optimizer = engine.setup(model, optimizer)
     per_worker = args.global_batch_size // engine.dp_size
     data = make_data((args.warmup + args.steps + 1) * args.global_batch_size)
     loader = engine.dataloader(data, batch_size=per_worker)
@@ -118,8 +129,14 @@ def bandwidth_job(args: argparse.Namespace) -> Any:
     """Seconds per plain send+recv exchange, then per ps push+pull step, of the same bytes."""
     torch.set_num_threads(1)
     numel = int(args.mbytes * (1 << 20)) // 4
-    engine = dtrain.init(strategy="ps", nproc=1, servers=1, seed=0)
-    rank = engine.rank
+    options = {"strategy": "ps", "nproc": 1, "servers": 1}
+    serve = role(options)
+    if serve is None:
+        engine = dtrain.init(seed=0, **options)
+    else:  # the server joins the same group for the plain exchanges, then serves
+        config = Config(**options)
+        init_process_group(serving.topology(config, server=True), config.timeout_s)
+    rank = dist.get_rank()
     buffer = torch.zeros(numel)
     plain = []
     for _ in range(args.warmup + args.bw_steps):
@@ -131,11 +148,10 @@ def bandwidth_job(args: argparse.Namespace) -> Any:
             dist.recv(buffer, 0)
             dist.send(buffer, 0)
         plain.append(time.perf_counter() - began)
-    try:
-        model = Wide(numel)
-        model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
-    except SystemExit:
-        return None
+    if serve is not None:
+        return serve()
+    model = Wide(numel)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
     # The gradient is set by hand, so only the messages and the server's update are timed:
     # push (the hook's work, called directly), commit (the server's SGD step), pull.
     (weight,) = model.parameters()

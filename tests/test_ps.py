@@ -3,9 +3,12 @@ workers, checkpoints across strategies, async and ssp on the demo, a killed work
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +18,32 @@ from distributed import run_ranks
 from torch.testing import assert_close
 from training import train
 
+from dtrain.config import Config
+from dtrain.strategies.ps import ParameterServer
+
 SERVER = "server"
+CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
+
+
+def ps_config(options: dict[str, Any]) -> Config:
+    """The Config the launcher would give every rank of a ps job run with `options`."""
+    return Config(strategy="ps", **{k: v for k, v in options.items() if k in CONFIG_FIELDS})
+
+
+def ps_rank(worker: Callable[[], Any], options: dict[str, Any]) -> Any:
+    """`worker()` on a worker rank; on a server rank, what the launcher runs there
+    (`role_main`), returning SERVER once it has ended normally."""
+    role = ParameterServer.role_main(ps_config(options), int(os.environ["RANK"]))
+    if role is None:
+        return worker()
+    role()
+    return SERVER
 
 
 def ps_train(**options: Any) -> Any:
-    """`train` under ps; a server returns SERVER once its serving loop has ended cleanly."""
-    try:
-        return train(strategy="ps", **options)
-    except SystemExit as e:
-        assert e.code in (0, None), f"a server exited with code {e.code}"
-        return SERVER
+    """`train` under ps on a worker; a server serves (as the launcher has it) and returns
+    SERVER once every worker has finished."""
+    return ps_rank(functools.partial(train, strategy="ps", **options), options)
 
 
 def run_ps(workers: int, servers: int, **options: Any) -> list[Any]:
@@ -117,6 +136,7 @@ import os, signal
 import torch, torch.nn.functional as F
 import dtrain
 from dtrain.models.digits import DigitsMLP
+open(f"ran-{os.environ['RANK']}", "w").close()
 engine = dtrain.init()
 model = DigitsMLP(hidden=16)
 model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -131,6 +151,7 @@ engine.close()
 
 @pytest.mark.timeout(120)
 def test_a_killed_worker_stops_the_job_with_its_role_named(tmp_path: Path) -> None:
+    """Also: the launcher runs the server without the user's script (no ran-2 marker)."""
     script = tmp_path / "killed.py"
     script.write_text(KILLED_WORKER)
     start = time.monotonic()
@@ -152,3 +173,4 @@ def test_a_killed_worker_stops_the_job_with_its_role_named(tmp_path: Path) -> No
     assert "Rank 1 (worker 1, local rank 1" in proc.stderr
     assert "killed by signal SIGKILL" in proc.stderr
     assert time.monotonic() - start < 60
+    assert sorted(p.name for p in tmp_path.glob("ran-*")) == ["ran-0", "ran-1"]

@@ -1,4 +1,5 @@
-"""Parameter-server pieces that need no processes: sharding balance and bad input."""
+"""Parameter-server pieces that need no processes: sharding balance, flat parameter
+storage, checkpoint state round trips and bad input."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models import MODELS, build
-from dtrain.strategies.ps import protocol, sharding
+from dtrain.strategies.ps import ParameterServer, protocol, sharding, state
 from dtrain.strategies.ps.optimizer import check_optimizer
+from dtrain.strategies.ps.storage import FlatParameters
 
 
 def plan_for(model: torch.nn.Module, servers: int) -> sharding.Plan:
@@ -28,41 +30,83 @@ def test_bytes_are_balanced_over_the_servers(name: str, servers: int) -> None:
     plan = plan_for(model, servers)
     assert plan.balance <= 1.1, plan.bytes_per_server
     assert sum(plan.bytes_per_server) == 4 * sum(p.numel() for p in model.parameters())
-    # Every element of every parameter is on exactly one server.
+    # The buckets tile the workers' flat buffer, each bucket is tiled by its keys, and
+    # every element of every parameter is in exactly one key.
+    buckets = sorted((b for s in plan.shards for b in s.buckets), key=lambda b: b.start)
+    assert buckets[0].start == 0
+    assert all(a.start + a.numel == b.start for a, b in zip(buckets, buckets[1:], strict=False))
+    for shard in plan.shards:
+        for bucket in shard.buckets:
+            keys = [shard.keys[k] for k in bucket.keys]
+            assert keys[0].offset == bucket.offset
+            assert sum(k.numel for k in keys) == bucket.numel
+            for key in keys:
+                assert (
+                    plan.offsets[key.param] + key.start == bucket.start + key.offset - bucket.offset
+                )
     for index, param in enumerate(model.parameters()):
         covered = sorted(
-            r
+            (key.start, key.numel)
             for shard in plan.shards
             for key in shard.keys
             if key.param == index
-            for r in key.ranges
         )
         assert sum(length for _, length in covered) == param.numel()
         assert all(a[0] + a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
 
 
-def test_large_tensors_are_cut_into_chunks_of_at_most_4_mib() -> None:
+def test_buckets_are_at_most_4_mib() -> None:
     plan = sharding.plan([3_000_000, 10], [0, 0], servers=2)
-    ranges = [r for shard in plan.shards for key in shard.keys for r in key.ranges]
-    assert max(length for _, length in ranges) * 4 <= 4 << 20
+    assert max(b.numel for shard in plan.shards for b in shard.buckets) * 4 <= 4 << 20
     assert plan.balance <= 1.1
+    one = sharding.plan([3_000_000, 10], [0, 1], servers=1)
+    assert [b.numel for b in one.shards[0].buckets] == [1 << 20, 1 << 20, 3_000_010 - (2 << 20)]
+    assert [k.group for k in one.shards[0].keys] == [0, 0, 0, 1]
 
 
-def test_keys_round_trip_through_gather_and_scatter() -> None:
-    flat = torch.arange(10.0)
-    ranges = ((0, 3), (6, 2))
-    piece = protocol.gather_key(flat, ranges)
-    assert piece.tolist() == [0, 1, 2, 6, 7]
-    out = torch.zeros(10)
-    protocol.scatter_key(out, ranges, piece)
-    assert out.tolist() == [0, 1, 2, 0, 0, 0, 6, 7, 0, 0]
-    state = {"step": torch.tensor(3.0), "buf": torch.ones(2), "name": "x"}
-    assert protocol.from_bytes(protocol.to_bytes(state)).keys() == state.keys()
+def test_flat_parameters_keep_values_and_publish_pulls_without_copies() -> None:
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    store = FlatParameters(params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert params[0].data_ptr() == store.current.data_ptr()
+    store.landing(0, 8).copy_(torch.arange(8.0))
+    incoming = store.incoming.data_ptr()
+    store.publish()
+    assert params[0].data_ptr() == incoming  # the parameters now use the landed buffer
+    assert params[0].tolist() == [[0, 1, 2], [3, 4, 5]] and params[1].tolist() == [6, 7]
+    assert model(torch.ones(1, 3)).tolist() == [[9, 19]]
 
 
-def test_more_servers_than_chunks_is_refused() -> None:
+def test_checkpoint_state_round_trips_through_the_servers_keys() -> None:
+    params = [torch.nn.Parameter(torch.randn(300, 3)), torch.nn.Parameter(torch.randn(7))]
+    plan = sharding.plan([p.numel() for p in params], [0, 1], servers=3)
+    values = torch.cat([p.detach().reshape(-1) for p in params])
+    loaded = {
+        0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(300, 3)},
+        1: {"step": torch.tensor(3.0), "exp_avg": torch.randn(7)},
+    }
+    parts = [state.split(shard, values, params, loaded) for shard in plan.shards]
+    for shard, part in zip(plan.shards, parts, strict=True):
+        for bucket in shard.buckets:
+            got = part["params"][bucket.offset : bucket.offset + bucket.numel]
+            assert torch.equal(got, values[bucket.start : bucket.start + bucket.numel])
+    merged = state.merge(plan, params, [part["state"] for part in parts])
+    for index, values_of in loaded.items():
+        for name, value in values_of.items():
+            assert torch.equal(merged[index][name], value), (index, name)
+    assert state.split(plan.shards[0], values, params, None)["state"] is None
+
+
+def test_protocol_bytes_round_trip() -> None:
+    payload = {"step": torch.tensor(3.0), "buf": torch.ones(2), "name": "x"}
+    assert protocol.from_bytes(protocol.to_bytes(payload)).keys() == payload.keys()
+
+
+def test_more_servers_than_buckets_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"fewer than the 3 servers.*--servers 2 or fewer"):
-        sharding.plan([200, 10], [0, 0], servers=3)
+        sharding.plan([300, 10], [0, 0], servers=3)
 
 
 def test_bad_ps_options_are_refused() -> None:
@@ -90,6 +134,25 @@ def test_an_optimizer_the_servers_cannot_run_is_named() -> None:
 def test_ps_without_its_servers_is_refused() -> None:
     with pytest.raises(ConfigError, match="needs 3 processes, but this job has 1"):
         dtrain.init(strategy="ps", nproc=2, servers=1)
+
+
+def test_a_server_rank_running_the_script_is_told_how_to_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A script started on a server rank by another launcher (plain torchrun) stops at
+    dtrain.init, before joining the job, naming `dtrain run --strategy ps`."""
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(
+        ConfigError, match=r"Rank 2 is a parameter server.*dtrain run --strategy ps"
+    ):
+        dtrain.init(strategy="ps", nproc=2, servers=1)
+
+
+def test_workers_run_the_script_and_servers_their_role() -> None:
+    config = Config(strategy="ps", nproc=2, servers=1)
+    assert ParameterServer.role_main(config, 1) is None
+    assert callable(ParameterServer.role_main(config, 2))
 
 
 def test_the_command_line_refuses_zero_servers(tmp_path: Path) -> None:

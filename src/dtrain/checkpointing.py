@@ -2,7 +2,9 @@
 
 The Engine holds one :class:`Checkpoints`; it sees the strategy (which gathers and
 scatters the states) and the run's :class:`Position` (which it saves and restores), and
-nothing else of the Engine.
+nothing else of the Engine. ``checkpoint_format`` picks the layout written: consolidated
+(the main rank writes the whole model in one safetensors file) or sharded (every rank
+writes its part with torch.distributed.checkpoint); both load under any strategy.
 """
 
 from __future__ import annotations
@@ -14,7 +16,19 @@ import torch
 from torch.optim import Optimizer
 
 from dtrain import checkpoint, rng
+from dtrain.checkpoint.flat_optimizer import merge_groups
+from dtrain.checkpoint.format import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_FILE,
+    expected_shapes,
+    is_sharded,
+)
+from dtrain.checkpoint.lazy import LazyTensors
 from dtrain.checkpoint.plain import read_model_state
+from dtrain.checkpoint.sharded import ShardedWriter, local_part
+from dtrain.checkpoint.sharded_load import load_sharded
+from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
 from dtrain.collectives import barrier, gather_objects, rank_in
 from dtrain.errors import CheckpointError
@@ -31,6 +45,7 @@ class Checkpoints:
         self.position = position
         self.optimizer: Optimizer | None = None
         """The optimizer the loop steps (set by `engine.setup`)."""
+        self._sharded = ShardedWriter(strategy)
 
     @property
     def is_main(self) -> bool:
@@ -46,41 +61,88 @@ class Checkpoints:
         tensors, _ = self.strategy.full_state(None)
         return tensors
 
+    # -- saving ---------------------------------------------------------------------------
     def save(
         self,
         path: str | Path,
         epoch: int | None = None,
         extra: dict[str, Any] | None = None,
+        keep: int | None = None,
     ) -> None:
-        """Write a checkpoint directory at `path` (rank 0 writes, all ranks wait).
+        """Write a checkpoint directory at `path` (collective: every rank calls it).
+
+        Consolidated: rank 0 writes, every rank waits. Sharded: every rank writes its
+        part; with ``async_checkpoint`` the writing goes on in the background (the next
+        save, a load and `finish` wait for it) and the checkpoint appears once complete.
 
         Args:
             path: the checkpoint directory; replaced atomically if it exists.
             epoch: the epoch to record (default: the one `progress` is in).
             extra: more manifest fields (JSON values).
+            keep: once the checkpoint is complete, delete all but the newest `keep`
+                checkpoints beside it (the main rank does; no other rank reads them).
         """
-        tensors, optimizer_state = self.strategy.full_state(self.optimizer)
-        rng_states = gather_objects(rng.get_state(), self.strategy.train_group)
-        if self.is_main:
-            assert tensors is not None
-            position = {
-                "step": self.position.step,
-                "epoch": self.position.epoch if epoch is None else epoch,
-                "samples_in_epoch": self.position.samples_in_epoch,
-            }
-            info = {
-                **position,
-                "strategy": self.strategy.name,
-                "world_size": self.strategy.topology.world_size,
-                "model_class": self.strategy.model_class,
-                "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
-                **(extra or {}),
-            }
-            trainer = {**position, "rng_per_rank": rng_states}
-            checkpoint.write(Path(path), tensors, optimizer_state, trainer, info)
-            LOGGER.info("saved checkpoint %s at step %d", path, self.position.step)
-        barrier(self.strategy.train_group)
+        path = Path(path)
+        self._sharded.wait()
+        position = {
+            "step": self.position.step,
+            "epoch": self.position.epoch if epoch is None else epoch,
+            "samples_in_epoch": self.position.samples_in_epoch,
+        }
+        info = {
+            **position,
+            "strategy": self.strategy.name,
+            "world_size": self.strategy.topology.world_size,
+            "model_class": self.strategy.model_class,
+            "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
+            **(extra or {}),
+        }
 
+        def committed() -> None:
+            LOGGER.info("saved checkpoint %s at step %d", path, position["step"])
+            if keep is not None:
+                checkpoint.prune(path.parent, keep)
+
+        group = self.strategy.train_group
+        if self.strategy.config.checkpoint_format == "sharded":
+            part = local_part(self.strategy, self.optimizer)
+            everyone = gather_objects((rng.get_state(), part.groups), group)
+            trainer = {
+                **position,
+                "rng_per_rank": [state for state, _ in everyone],
+                "optimizer_groups": merge_groups([groups for _, groups in everyone]),
+            }
+            self._sharded.save(path, part, trainer, info, committed)
+            if self.strategy.config.async_checkpoint:
+                return
+        else:
+            tensors, optimizer_state = self.strategy.full_state(self.optimizer)
+            rng_states = gather_objects(rng.get_state(), group)
+            if self.is_main:
+                assert tensors is not None
+                trainer = {**position, "rng_per_rank": rng_states}
+                checkpoint.write(path, tensors, optimizer_state, trainer, info)
+                committed()
+        barrier(group)
+
+    def saved(self, path: str | Path) -> bool:
+        """Whether the newest checkpoint beside `path` is `path` (or is being written
+        there); decided on the main rank, the same answer on every rank (collective)."""
+        path = Path(path)
+
+        def decide() -> bool:
+            return (
+                self._sharded.pending_target == path or checkpoint.find_latest(path.parent) == path
+            )
+
+        return decided_by_main(decide, self.strategy.train_group, self.is_main)
+
+    def finish(self) -> None:
+        """Return once every checkpoint this process started is on disk (an asynchronous
+        save's error is raised here)."""
+        self._sharded.close()
+
+    # -- loading --------------------------------------------------------------------------
     def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint written under any strategy and world size; return its manifest.
 
@@ -89,31 +151,72 @@ class Checkpoints:
         state. `path` may also be a plain PyTorch or safetensors file (a state_dict, one
         under a key such as ``state_dict``, ``module.``/``_orig_mod.`` names): then only
         the model is loaded. With strict=False, tensors that do not fit are skipped (and
-        logged) instead of stopping.
+        logged) instead of stopping. The main rank checks the files against the
+        manifest and tells the others; each rank then reads only the tensors it holds.
         """
+        self._sharded.wait()
         path = Path(path)
         if path.is_file():
             skipped = self.strategy.load_full_state(read_model_state(path), None, None, strict)
             self._log_skipped(path, skipped)
             return {"format": "plain", "path": str(path)}
-        manifest = checkpoint.read_manifest(path)
-        problems = verify(path)
-        if problems:
-            raise CheckpointError(
-                f"{path} is damaged ({'; '.join(problems)}); nothing was loaded. Resume from "
-                "an older checkpoint (engine.resume picks the newest intact one)."
+
+        def check() -> dict[str, Any]:
+            manifest = checkpoint.read_manifest(path)
+            problems = verify(path)
+            if problems:
+                raise CheckpointError(
+                    f"{path} is damaged ({'; '.join(problems)}); nothing was loaded. Resume "
+                    "from an older checkpoint (engine.resume picks the newest intact one)."
+                )
+            return manifest
+
+        manifest = decided_by_main(check, self.strategy.train_group, self.is_main)
+        return self._load_checked(path, manifest, strict)
+
+    def resume(self, root: str | Path) -> dict[str, Any] | None:
+        """Load the newest intact checkpoint under `root`; None if there is none.
+
+        A damaged newer checkpoint is skipped with a warning, so a run killed while its
+        disk was failing falls back to the one before. The main rank looks for it and
+        checks it; the others load what it found.
+        """
+        self._sharded.wait()
+
+        def find() -> tuple[Path | None, list[str], dict[str, Any] | None]:
+            latest, warnings = checkpoint.latest_intact(Path(root))
+            return latest, warnings, checkpoint.read_manifest(latest) if latest else None
+
+        latest, warnings, manifest = decided_by_main(find, self.strategy.train_group, self.is_main)
+        for warning in warnings:
+            LOGGER.warning(warning)
+            self.print(f"dtrain: warning: {warning}")
+        if latest is None or manifest is None:
+            return None
+        return self._load_checked(latest, manifest, strict=True)
+
+    def _load_checked(self, path: Path, manifest: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """Load the checkpoint at `path`, whose files the main rank found intact."""
+        trainer = checkpoint.read_pt(path, TRAINER_FILE) or {}
+        if is_sharded(manifest):
+            skipped, with_optimizer = load_sharded(
+                path, self.strategy, self.optimizer, strict, trainer.get("optimizer_groups")
             )
-        optimizer_state = checkpoint.read_pt(path, "optimizer.pt")
-        if self.optimizer is not None and optimizer_state is None:
+        else:
+            optimizer_state = checkpoint.read_pt(path, OPTIMIZER_FILE, mmap=True)
+            with_optimizer = optimizer_state is not None
+            # Tensors this rank does not hold (another pipeline stage's) are never read.
+            held = set(expected_shapes(self.strategy.unwrap()))
+            tensors = LazyTensors(path / MODEL_FILE, held)
+            skipped = self.strategy.load_full_state(
+                tensors, self.optimizer, optimizer_state, strict
+            )
+        if self.optimizer is not None and not with_optimizer:
             LOGGER.warning("%s holds no optimizer state; the optimizer starts fresh", path)
             self.print(
                 f"dtrain: note: {path} holds no optimizer state; the optimizer starts fresh."
             )
-        skipped = self.strategy.load_full_state(
-            checkpoint.read_model(path), self.optimizer, optimizer_state, strict
-        )
         self._log_skipped(path, skipped)
-        trainer = checkpoint.read_pt(path, "trainer.pt") or {}
         where = self.position
         where.step = int(trainer.get("step", manifest["step"]))
         where.epoch = int(trainer.get("epoch", manifest["epoch"]))
@@ -125,22 +228,6 @@ class Checkpoints:
             rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
         return manifest
-
-    def resume(self, root: str | Path) -> dict[str, Any] | None:
-        """Load the newest intact checkpoint under `root`; None if there is none.
-
-        A damaged newer checkpoint is skipped with a warning, so a run killed while its
-        disk was failing falls back to the one before.
-        """
-        latest, warnings = checkpoint.latest_intact(Path(root))
-        for warning in warnings:
-            LOGGER.warning(warning)
-            self.print(f"dtrain: warning: {warning}")
-        return self.load(latest) if latest is not None else None
-
-    def finish(self) -> None:
-        """Return once every checkpoint this process started is on disk (saves are
-        synchronous here, so there is nothing to wait for)."""
 
     def _log_skipped(self, path: Path, skipped: list[str]) -> None:
         if skipped:

@@ -51,21 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_topology_args(demo_parser)
     demo.add_training_args(demo_parser)
 
-    ckpt = sub.add_parser("ckpt", help="Inspect or verify checkpoints.")
+    ckpt = sub.add_parser("ckpt", help="Inspect, verify or convert checkpoints.")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (
-        ("inspect", "Print what a checkpoint holds."),
-        ("verify", "Check every file of a checkpoint against its manifest."),
+        ("inspect", "Print what a checkpoint (consolidated or sharded) holds."),
+        (
+            "verify",
+            "Check every file of a checkpoint (consolidated or sharded) against its manifest.",
+        ),
     ):
         p = ckpt_sub.add_parser(name, help=text, description=text)
         p.add_argument("path", type=Path, help="A checkpoint directory.")
     convert = ckpt_sub.add_parser(
         "convert",
-        help="Plain PyTorch file -> checkpoint directory, or checkpoint -> plain file.",
+        help="Plain PyTorch file -> checkpoint directory, checkpoint -> plain file, or "
+        "sharded checkpoint -> consolidated checkpoint.",
         description="SRC a plain PyTorch or safetensors file (a state_dict, possibly under a "
         "key such as 'state_dict' and with 'module.' names): DST becomes a checkpoint "
-        "directory. SRC a checkpoint directory and DST ending in .pt/.pth/.safetensors: DST "
-        "becomes a plain state_dict file. Files are read with weights_only=True.",
+        "directory. SRC a checkpoint directory (consolidated or sharded) and DST ending in "
+        ".pt/.pth/.bin/.safetensors: DST becomes a plain state_dict file of its model. SRC a "
+        "sharded checkpoint and DST a directory: DST becomes a consolidated checkpoint with "
+        "the same model, optimizer and trainer state. Runs in this process, without a "
+        "process group; files are read with weights_only=True.",
     )
     convert.add_argument("src", type=Path, help="A checkpoint directory or a plain file.")
     convert.add_argument("dst", type=Path, help="The checkpoint directory or file to write.")

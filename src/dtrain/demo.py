@@ -264,13 +264,16 @@ def none_if_nan(value: float) -> float | None:
 
 
 def save(engine: dtrain.Engine, root: Path, keep: int) -> None:
-    """Checkpoint to ``root/step-NNNNNNNN`` (unless that step is saved); keep the newest."""
+    """Checkpoint to ``root/step-NNNNNNNN`` unless that step is saved; keep the newest `keep`.
+
+    Whether the step is saved is decided once, on the main rank, for every rank (ranks
+    that looked for themselves could disagree and wait on each other forever); the main
+    rank alone deletes older checkpoints, once the new one is complete.
+    """
     path = checkpoint.step_path(root, engine.step)
-    if checkpoint.find_latest(root) == path:
+    if engine.checkpoints.saved(path):
         return
-    engine.save(path)
-    if engine.is_main:
-        checkpoint.prune(root, keep)
+    engine.checkpoints.save(path, keep=keep)
 
 
 def resume_from(engine: dtrain.Engine, root: Path) -> None:
@@ -279,8 +282,9 @@ def resume_from(engine: dtrain.Engine, root: Path) -> None:
     if manifest is None:
         engine.print(f"No checkpoint under {root} to resume from; starting from scratch.")
         return
+    layout = "sharded" if checkpoint.is_sharded(manifest) else "consolidated"
     engine.print(
-        f"Resumed at step {manifest['step']} from a checkpoint written by "
+        f"Resumed at step {manifest['step']} from a {layout} checkpoint written by "
         f"{manifest['strategy']} at world size {manifest['world_size']}."
     )
 

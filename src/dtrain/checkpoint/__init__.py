@@ -1,8 +1,11 @@
-"""Portable checkpoints: one directory format for every strategy and world size."""
+"""Portable checkpoints: directories that load under every strategy and world size,
+consolidated (one safetensors file of the whole model) or sharded (one part per rank)."""
 
 from dtrain.checkpoint.directory import find_latest, latest_intact, prune, step_path
 from dtrain.checkpoint.format import (
     FORMAT,
+    SHARDED_FORMAT,
+    is_sharded,
     load_model,
     read_manifest,
     read_model,
@@ -12,7 +15,9 @@ from dtrain.checkpoint.format import (
 
 __all__ = [
     "FORMAT",
+    "SHARDED_FORMAT",
     "find_latest",
+    "is_sharded",
     "latest_intact",
     "load_model",
     "prune",

@@ -14,6 +14,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def temporary_beside(target: Path) -> Path:
+    """A new, empty hidden directory next to `target` (same filesystem, so the final
+    rename is atomic); directory scans skip it until :func:`commit` renames it."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def commit(tmp: Path, target: Path) -> None:
+    """Make the complete directory `tmp` appear as `target` in one rename (replacing a
+    previous `target`), with every file flushed to disk first."""
+    for path in tmp.iterdir():
+        _fsync(path)
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    _fsync(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(target: Path) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces `target` in one rename.
@@ -21,20 +44,10 @@ def atomic_directory(target: Path) -> Iterator[Path]:
     If the block raises, the temporary directory is removed and `target` is untouched.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = temporary_beside(target)
     try:
         yield tmp
-        for path in tmp.iterdir():
-            _fsync(path)
-        old = None
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-        os.replace(tmp, target)
-        _fsync(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        commit(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -54,3 +67,11 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_records(directory: Path, names: list[str]) -> dict[str, dict[str, object]]:
+    """Size and SHA-256 of each named file of `directory` (the manifest's ``files``)."""
+    return {
+        name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+        for name in names
+    }

@@ -22,12 +22,16 @@ def checkpoints(root: Path) -> list[Path]:
         return []
     found = []
     for child in root.iterdir():
-        if child.name.startswith(".") or not (child / MANIFEST).is_file():
-            continue
+        if child.name.startswith("."):
+            continue  # a checkpoint being written, or being replaced
         try:
+            if not (child / MANIFEST).is_file():
+                continue
             step = int(read_manifest(child).get("step", -1))
         except CheckpointError:
             step = -1  # an unreadable manifest sorts last; verify reports it
+        except OSError:
+            continue  # deleted while this scan looked at it
         found.append((step, child))
     return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
 
@@ -54,6 +58,8 @@ def latest_intact(root: Path) -> tuple[Path | None, list[str]]:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints under `root`."""
+    """Delete all but the newest `keep` complete checkpoints under `root` (one being
+    written is not listed yet, so it never counts as kept). Call it on one rank only,
+    once no other rank reads the older ones."""
     for old in checkpoints(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The checkpoint directory (DESIGN.md's contract).
+"""The consolidated checkpoint directory, and what both checkpoint formats share.
 
     manifest.json        format, step, epoch, strategy, world_size, files and checksums
     model.safetensors    the whole model under canonical names (loads without dtrain)
@@ -7,12 +7,16 @@
 
 Plain ``safetensors.torch.load_file`` + ``load_state_dict`` on the unwrapped model works.
 Every ``.pt`` file is read with ``weights_only=True``: no arbitrary objects are unpickled.
+A sharded checkpoint (`dtrain.checkpoint.sharded`) has the same manifest and trainer
+state beside torch.distributed.checkpoint's files instead of the model and optimizer files.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +24,14 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from dtrain.checkpoint.atomic import atomic_directory, sha256_file
+from dtrain.checkpoint.atomic import atomic_directory, file_records
+from dtrain.checkpoint.lazy import LazyTensors
 from dtrain.checkpoint.names import canonical_name, canonical_state_dict
 from dtrain.errors import CheckpointError
 
 FORMAT = "dtrain.checkpoint/1"
+SHARDED_FORMAT = "dtrain.sharded-checkpoint/1"
+FORMATS = (FORMAT, SHARDED_FORMAT)
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -62,22 +69,33 @@ def write(
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         torch.save(trainer, tmp / TRAINER_FILE)
-        manifest = {
-            "format": FORMAT,
-            **info,
-            "num_parameters": sum(t.numel() for t in tensors.values()),
-            "tensors": {
-                k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                for k, v in tensors.items()
-            },
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "torch_version": torch.__version__,
-            "files": {
-                f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-                for f in sorted(tmp.iterdir())
-            },
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        table = {k: (list(v.shape), v.dtype) for k, v in tensors.items()}
+        files = file_records(tmp, sorted(f.name for f in tmp.iterdir()))
+        write_manifest(tmp, FORMAT, info, table, files)
+
+
+def write_manifest(
+    directory: Path,
+    kind: str,
+    info: dict[str, Any],
+    tensors: dict[str, tuple[list[int], torch.dtype]],
+    files: dict[str, dict[str, object]],
+) -> None:
+    """Write `directory`'s manifest: format `kind`, the fields of `info`, the model's tensors
+    (name -> (shape, dtype)) and the size and checksum of every other file."""
+    manifest = {
+        "format": kind,
+        **info,
+        "num_parameters": sum(math.prod(shape) for shape, _ in tensors.values()),
+        "tensors": {
+            k: {"shape": shape, "dtype": str(dtype).removeprefix("torch.")}
+            for k, (shape, dtype) in tensors.items()
+        },
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torch_version": torch.__version__,
+        "files": files,
+    }
+    (Path(directory) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -95,11 +113,18 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{manifest_path} is not valid JSON ({e}); the checkpoint is damaged."
         ) from None
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in FORMATS:
         raise CheckpointError(
-            f"{path} has format {manifest.get('format')!r}; this dtrain reads {FORMAT!r}."
+            f"{path} has format {manifest.get('format')!r}; this dtrain reads "
+            f"{' and '.join(repr(f) for f in FORMATS)}. Convert it with the dtrain that "
+            "wrote it, or load it there."
         )
     return manifest
+
+
+def is_sharded(manifest: dict[str, Any]) -> bool:
+    """True if `manifest` describes a sharded (torch.distributed.checkpoint) checkpoint."""
+    return manifest["format"] == SHARDED_FORMAT
 
 
 def read_model(path: Path) -> dict[str, torch.Tensor]:
@@ -107,28 +132,38 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
     return safetensors.torch.load_file(Path(path) / MODEL_FILE)
 
 
-def read_pt(path: Path, name: str) -> Any:
-    """A ``.pt`` member of the checkpoint, read with weights_only=True; None if absent."""
+def read_pt(path: Path, name: str, mmap: bool = False) -> Any:
+    """A ``.pt`` member of the checkpoint, read with weights_only=True; None if absent.
+
+    With `mmap`, tensors are mapped from the file rather than read: a rank reads from
+    disk only the parts it then touches (a pipeline stage, its parameters' state).
+    """
     file = Path(path) / name
     if not file.is_file():
         return None
-    return torch.load(file, map_location="cpu", weights_only=True)
+    return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def check_fit(
-    expected: dict[str, torch.Size], tensors: dict[str, torch.Tensor], strict: bool = True
+    expected: Mapping[str, torch.Size], tensors: Mapping[str, torch.Tensor], strict: bool = True
 ) -> list[str]:
     """Compare checkpoint `tensors` with a model's `expected` shapes (canonical names).
 
     Lists the missing, unexpected and wrongly shaped names and raises unless
-    strict=False; returns the names to skip (empty when everything matches).
+    strict=False; returns the names to skip (empty when everything matches). Reads no
+    tensor of a :class:`LazyTensors` (its shapes come from the file's header).
     """
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    found = (
+        tensors.shapes
+        if isinstance(tensors, LazyTensors)
+        else {k: v.shape for k, v in tensors.items()}
+    )
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     wrong_shape = sorted(
-        f"{k} (checkpoint {list(tensors[k].shape)}, model {list(expected[k])})"
-        for k in set(expected) & set(tensors)
-        if tuple(tensors[k].shape) != tuple(expected[k])
+        f"{k} (checkpoint {list(found[k])}, model {list(expected[k])})"
+        for k in set(expected) & set(found)
+        if tuple(found[k]) != tuple(expected[k])
     )
     problems = [
         (label, names)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint.atomic import sha256_file
-from dtrain.checkpoint.format import read_manifest
+from dtrain.checkpoint.format import is_sharded, read_manifest
 
 
 def verify(path: Path) -> list[str]:
@@ -36,6 +36,12 @@ def summary(path: Path) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),
         ("format", m["format"]),
+        (
+            "layout",
+            "sharded: torch.distributed.checkpoint pieces, one set per rank"
+            if is_sharded(m)
+            else "consolidated: model.safetensors",
+        ),
         ("strategy", m.get("strategy")),
         ("world_size", m.get("world_size")),
         ("step", m.get("step")),

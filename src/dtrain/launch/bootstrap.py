@@ -1,5 +1,7 @@
-"""The first code each worker runs: executes the user's script or module and, if it
-raises, records the traceback (rank-tagged, user frames only) where the agent reads it.
+"""The first code each worker runs: executes the user's script or module (or, on a rank
+its strategy gives another role, such as a parameter server, that role's own main) and,
+if it raises, records the traceback (rank-tagged, user frames only) where the agent
+reads it.
 
     python -m dtrain.launch.bootstrap script PATH [ARGS...]
     python -m dtrain.launch.bootstrap module NAME [ARGS...]
@@ -13,9 +15,12 @@ import runpy
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+from dtrain.config import Config
 from dtrain.errors import DtrainError
+from dtrain.strategies import lookup
 
 _HIDDEN = (runpy.__file__, "<frozen runpy>", __file__)
 
@@ -29,6 +34,15 @@ def run_target(kind: str, target: str, args: list[str]) -> None:
     else:
         sys.argv = [target, *args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+
+def role_main() -> Callable[[], None] | None:
+    """What this rank runs instead of the target, where its strategy gives it a role of
+    its own (a parameter server); None: it runs the target."""
+    config = Config.from_env()
+    if config is None or "RANK" not in os.environ:
+        return None
+    return lookup(config.strategy).role_main(config, int(os.environ["RANK"]))
 
 
 def describe(error: BaseException) -> tuple[str, str]:
@@ -64,10 +78,15 @@ def record(error: BaseException) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Run the target; on an exception record it and return exit code 1."""
+    """Run the target (or this rank's role); on an exception record it and return exit
+    code 1."""
     kind, target, *args = argv
     try:
-        run_target(kind, target, args)
+        role = role_main()
+        if role is not None:
+            role()
+        else:
+            run_target(kind, target, args)
     except SystemExit as e:
         if e.code not in (0, None):
             raise

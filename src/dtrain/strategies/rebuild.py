@@ -1,15 +1,18 @@
-"""Rebuild a user's optimizer on other parameter objects, group by group, by name.
+"""Rebuild a user's optimizer on other parameter objects, group by group.
 
-FSDP2's `fully_shard` replaces a module's parameters with sharded DTensor parameters and
+FSDP2's `fully_shard` replaces a module's parameters with sharded DTensor parameters,
 `ZeroRedundancyOptimizer` takes the optimizer's class and hyperparameters rather than the
-optimizer; both need the user's optimizer restated over the same names.
+optimizer, and a parameter server holds flat slices of the parameters: each needs the
+user's optimizer restated, with every group's settings, over other tensors.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -44,6 +47,36 @@ def constructor_kwargs(optimizer_class: type[Optimizer], group: dict[str, Any]) 
     return {k: v for k, v in hyperparameters(group).items() if k in accepted}
 
 
+def restate(
+    optimizer_class: type[Optimizer],
+    settings: Sequence[dict[str, Any]],
+    params: Sequence[Sequence[torch.Tensor]],
+    defaults: dict[str, Any],
+) -> Optimizer:
+    """A new `optimizer_class` whose group i holds `params[i]` with the settings
+    `settings[i]` (a param group without its parameters); `defaults` become its defaults.
+
+    Every group is kept, empty ones included, so group i still means the user's group i.
+    """
+    groups = [
+        {**hyperparameters(group), "params": list(tensors)}
+        for group, tensors in zip(settings, params, strict=True)
+    ]
+    try:
+        # Each group carries every hyperparameter, so the constructor needs none: passing
+        # the defaults as keywords would fail on keys a constructor sets itself (AdamW's
+        # decoupled_weight_decay).
+        new = optimizer_class(groups)
+    except TypeError as e:
+        raise ConfigError(
+            f"dtrain could not rebuild {optimizer_class.__name__} over the sharded "
+            f"parameters ({e}); use an optimizer whose constructor takes (params) with "
+            "every hyperparameter defaulted, as torch.optim's do."
+        ) from None
+    new.defaults.update(defaults)
+    return new
+
+
 def rebuild(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> Optimizer:
     """A new optimizer of `optimizer`'s class over `model`'s parameters called `names`.
 
@@ -55,18 +88,5 @@ def rebuild(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> O
             "load a checkpoint with engine.load afterwards."
         )
     by_name = dict(model.named_parameters())
-    groups = [
-        {**hyperparameters(group), "params": [by_name[n] for n in group_names_]}
-        for group, group_names_ in zip(optimizer.param_groups, names, strict=True)
-    ]
-    try:
-        # Each group carries every hyperparameter, so the defaults are not needed to build.
-        new = type(optimizer)(groups)
-    except TypeError as e:
-        raise ConfigError(
-            f"dtrain could not rebuild {type(optimizer).__name__} over the sharded parameters "
-            f"({e}); use an optimizer whose constructor takes (params) with every "
-            "hyperparameter defaulted, as torch.optim's do."
-        ) from None
-    new.defaults.update(optimizer.defaults)
-    return new
+    params = [[by_name[n] for n in group] for group in names]
+    return restate(type(optimizer), optimizer.param_groups, params, optimizer.defaults)

@@ -1,12 +1,14 @@
 """The worker's side of the parameter server: push gradients, commit, pull parameters.
 
-Overlap, as in BytePS and PyTorch DDP: a hook on every parameter stages its gradient as
-soon as backward has accumulated it, and a bucket (~4 MiB of consecutive keys of one
-server) is pushed the moment its last gradient is in, while backward goes on with the
-layers below. `commit` (the optimizer's `step`) then tells every server that this step's
-gradients are complete, with the learning rates to use, and posts the pull of the new
-parameters without waiting; the model's forward waits for it, so the pull
-overlaps with loading the next batch.
+Overlap, as in BytePS and PyTorch DDP: a hook on every parameter hands its gradient over
+as soon as backward has accumulated it, and a bucket (a contiguous ~4 MiB range of the
+parameters, see sharding.py) is pushed the moment its last gradient is in, while backward
+goes on with the layers below. A bucket inside one parameter goes out straight from the
+gradient's storage; a bucket spanning several parameters is staged in one buffer first.
+`commit` (the optimizer's `step`) then tells every server that this step's gradients are
+complete, with the learning rates to use, and posts the receives of the new parameters,
+bucket by bucket into the landing buffer (storage.py), without waiting; the model's
+forward waits for them, so the pull overlaps with loading the next batch.
 (In async mode a forward that did not wait at all, computing on the parameters it had,
 added about one step of staleness and made the demo diverge at momentum 0.9, so every
 mode waits for its pull.)
@@ -17,19 +19,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from dtrain.strategies.ps import protocol
 from dtrain.strategies.ps.protocol import HEADER, PAYLOAD, REPLY, Op
-from dtrain.strategies.ps.sharding import Key, Plan
+from dtrain.strategies.ps.sharding import Plan
+from dtrain.strategies.ps.storage import FlatParameters
 
 
 class Client:
     """One worker's connection to the K servers.
 
     Args:
-        plan: where every key lives.
-        params: the served parameters, in optimizer order.
+        plan: where every bucket lives.
+        store: the served parameters, in optimizer order, as views of one flat buffer.
         rank: this worker's global rank (in [0, W)).
         workers: W; server s has global rank W + s.
         groups: number of optimizer param groups (lr values per commit).
@@ -39,37 +41,36 @@ class Client:
     def __init__(
         self,
         plan: Plan,
-        params: list[nn.Parameter],
+        store: FlatParameters,
         rank: int,
         workers: int,
         groups: int,
         timeout_s: float,
     ) -> None:
         self.plan = plan
-        self.params = params
+        self.store = store
+        self.params = store.params
         self.rank = rank
         self.servers = [workers + s for s in range(len(plan.shards))]
         self.groups = groups
         self.timeout_s = timeout_s
-        # Where each parameter's keys go: (server, bucket, key); how many keys each bucket
-        # still waits for this step; the staging buffer each server's pushes are cut from.
-        self.by_param: list[list[tuple[int, int, Key]]] = [[] for _ in params]
+        # The pieces of each parameter: (server, bucket, start in the parameter, numel,
+        # start in the flat buffer); how many pieces each bucket still waits for this step.
+        self.by_param: list[list[tuple[int, int, int, int, int]]] = [[] for _ in self.params]
         for s, shard in enumerate(plan.shards):
             for b, bucket in enumerate(shard.buckets):
-                for key in shard.keys[bucket.first : bucket.last]:
-                    self.by_param[key.param].append((s, b, key))
-        self.bucket_sizes = [[b.last - b.first for b in shard.buckets] for shard in plan.shards]
+                for key in shard.keys[bucket.keys.start : bucket.keys.stop]:
+                    where = plan.offsets[key.param] + key.start
+                    self.by_param[key.param].append((s, b, key.start, key.numel, where))
+        self.bucket_sizes = [[len(b.keys) for b in shard.buckets] for shard in plan.shards]
         self.missing = [list(sizes) for sizes in self.bucket_sizes]
-        self.staging = [torch.empty(shard.numel, dtype=params[0].dtype) for shard in plan.shards]
+        self.staging = torch.empty_like(store.incoming)
         self.versions = [0] * len(self.servers)
-        self.pull_buffers = [
-            (torch.empty(1, dtype=torch.int64), torch.empty(shard.numel, dtype=params[0].dtype))
-            for shard in plan.shards
-        ]
+        self.versions_in = [torch.zeros(1, dtype=torch.int64) for _ in self.servers]
         self.syncing = True
         self.pushed: set[int] = set()
         self.sends: list[tuple[Any, torch.Tensor]] = []
-        self.pulls: list[tuple[int, Any, torch.Tensor, Any, torch.Tensor]] = []
+        self.pulls: list[tuple[int, list[Any]]] = []
         self.finished = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -80,19 +81,21 @@ class Client:
             self.push(self._index[id(param)])
 
     def push(self, index: int) -> None:
-        """Stage parameter `index`'s gradient (zeros if it has none); send full buckets."""
-        param = self.params[index]
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        flat = grad.detach().reshape(-1).to("cpu")
-        for server, b, key in self.by_param[index]:
+        """Hand over parameter `index`'s gradient (zeros if it has none); send full buckets."""
+        grad = self.params[index].grad
+        flat = grad.detach().reshape(-1) if grad is not None else None
+        for server, b, start, numel, where in self.by_param[index]:
             bucket = self.plan.shards[server].buckets[b]
-            if bucket.numel == key.numel and len(key.ranges) == 1:
+            if flat is not None and flat.device.type == "cpu" and numel == bucket.numel:
                 # A bucket that is one slice of one gradient goes out without a copy.
-                payload = protocol.gather_key(flat, key.ranges)
+                payload = flat[start : start + numel]
             else:
-                staged = self.staging[server][key.offset : key.offset + key.numel]
-                staged.copy_(protocol.gather_key(flat, key.ranges))
-                payload = self.staging[server][bucket.offset : bucket.offset + bucket.numel]
+                staged = self.staging[where : where + numel]
+                if flat is None:
+                    staged.zero_()
+                else:
+                    staged.copy_(flat[start : start + numel])
+                payload = self.staging[bucket.start : bucket.start + bucket.numel]
             self.missing[server][b] -= 1
             if self.missing[server][b] == 0:
                 self._request(server, Op.PUSH, b)
@@ -114,38 +117,26 @@ class Client:
 
     # -- pull ------------------------------------------------------------------------------
     def _post_pull(self, s: int) -> None:
-        # One pull per server is in flight at a time, so its buffers are reused.
-        version, values = self.pull_buffers[s]
+        # A reply is the version, then each bucket in order (gloo keeps the order of one
+        # sender's messages on one tag); one pull per server is in flight at a time.
         server = self.servers[s]
-        self.pulls.append(
-            (
-                s,
-                protocol.recv(version, server, REPLY),
-                version,
-                protocol.recv(values, server, REPLY),
-                values,
-            )
-        )
+        works = [protocol.recv(self.versions_in[s], server, REPLY)]
+        for bucket in self.plan.shards[s].buckets:
+            landing = self.store.landing(bucket.start, bucket.numel)
+            works.append(protocol.recv(landing, server, REPLY))
+        self.pulls.append((s, works))
 
-    @torch.no_grad()
     def wait_pulls(self) -> None:
-        """Wait for the posted pulls and write the new parameters into the model."""
+        """Wait for the posted pulls, then make the new values the parameters'."""
+        if not self.pulls:
+            return
         pulls, self.pulls = self.pulls, []
-        for s, version_work, version, values_work, values in pulls:
+        for s, works in pulls:
             what = f"Worker {self.rank} pulling parameters from server {s}"
-            protocol.wait(version_work, self.timeout_s, what)
-            protocol.wait(values_work, self.timeout_s, what)
-            self.versions[s] = int(version.item())
-            for key in self.plan.shards[s].keys:
-                param = self.params[key.param]
-                piece = values[key.offset : key.offset + key.numel]
-                flat = param.data.reshape(-1)
-                if flat.data_ptr() == param.data.data_ptr() and flat.device.type == "cpu":
-                    protocol.scatter_key(flat, key.ranges, piece)
-                else:
-                    staged = flat.to("cpu").clone()
-                    protocol.scatter_key(staged, key.ranges, piece)
-                    param.data.copy_(staged.view_as(param))
+            for work in works:
+                protocol.wait(work, self.timeout_s, what)
+            self.versions[s] = int(self.versions_in[s].item())
+        self.store.publish()
 
     def pull_latest(self) -> None:
         """Fetch the servers' current parameters now (evaluation, checkpoints)."""
@@ -172,7 +163,8 @@ class Client:
         return states
 
     def set_state(self, s: int, payload: dict[str, Any]) -> None:
-        """Replace server `s`'s parameters and optimizer state; wait until it has them."""
+        """Replace server `s`'s parameters (and optimizer state, unless the payload's
+        state is None); wait until it has them."""
         self.wait_pulls()
         data = protocol.to_bytes(payload)
         self._request(s, Op.SET_STATE, data.numel())

@@ -1,10 +1,11 @@
 """The optimizer on both sides of the parameter server.
 
-Servers rebuild the user's optimizer (same class, same per-group hyperparameters) over
-their flat shard and apply it there, keeping its state in CPU memory (MXNet KVStore's
-server-side updater; BytePS's "summation service" keeps the optimizer on the workers,
-we follow the classic PS and keep it on the servers). A server sees only 1-D slices of
-the parameters, so it can run exactly the optimizers whose update is element-wise.
+Servers rebuild the user's optimizer (same class, same per-group hyperparameters, as
+worker 0 describes them) over their flat shard and apply it there, keeping its state in
+CPU memory (MXNet KVStore's server-side updater; BytePS's "summation service" keeps the
+optimizer on the workers, we follow the classic PS and keep it on the servers). A server
+sees only 1-D slices of the parameters, so it can run exactly the optimizers whose update
+is element-wise.
 
 Workers hold a :class:`WorkerOptimizer`: a real `torch.optim.Optimizer` over the model's
 parameters whose `step()` commits the pushed gradients with the current learning rates
@@ -17,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError
+from dtrain.strategies.rebuild import hyperparameters
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = (
     torch.optim.SGD,
@@ -35,6 +36,9 @@ ELEMENTWISE: tuple[type[Optimizer], ...] = (
     torch.optim.RMSprop,
     torch.optim.Rprop,
 )
+BY_NAME = {cls.__name__: cls for cls in ELEMENTWISE}
+"""The classes by name, as worker 0 describes its optimizer to the servers (it checked
+the class with :func:`check_optimizer` first)."""
 
 
 def check_optimizer(optimizer: Optimizer | None) -> None:
@@ -51,24 +55,6 @@ def check_optimizer(optimizer: Optimizer | None) -> None:
             "flat slices of the parameters, so it runs only the torch.optim optimizers whose "
             f"update is element-wise ({names}). Use one of those, or --strategy ddp."
         )
-
-
-def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's settings without its parameters."""
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def rebuild(template: Optimizer, groups: list[list[nn.Parameter]]) -> tuple[Optimizer, list[int]]:
-    """`template`'s class and settings over new parameters, one list per original group.
-
-    Returns the optimizer and, for each of its groups, the index of the original group
-    (empty groups are left out).
-    """
-    kept = [i for i, params in enumerate(groups) if params]
-    param_groups = [
-        {**hyperparameters(template.param_groups[i]), "params": groups[i]} for i in kept
-    ]
-    return type(template)(param_groups, **template.defaults), kept
 
 
 class WorkerOptimizer(Optimizer):

@@ -11,14 +11,18 @@ gloo delivers in order, so a worker's payloads always follow their headers.
 
     PUSH      a = bucket index on the server        payload: the bucket's gradients
     COMMIT    a = version the gradients were computed on; the pull of the next
-              parameters, answered when the mode allows    reply: version, params
-    PULL      the latest parameters now                    reply: version, params
+              parameters, answered when the mode allows    reply: version, buckets
+    PULL      the latest parameters now                    reply: version, buckets
     GET_STATE                                        reply: optimizer state (bytes)
     SET_STATE a = bytes                              payload: params + optimizer state
     STATS                                            reply: float64 counters
     PAUSE     the worker stops stepping for a while (evaluation, checkpoint, report):
               sync rounds stop counting on its gradient until it sends RESUME
     FINISH    the worker is done; the server exits once every worker is
+
+A parameter reply is the server's version (one int64), then each of its buckets in order,
+one message each, so a server sends a bucket as soon as its update is done and a worker
+receives it straight into its parameter buffer.
 """
 
 from __future__ import annotations
@@ -112,21 +116,3 @@ def to_bytes(obj: Any) -> torch.Tensor:
 def from_bytes(data: torch.Tensor) -> Any:
     """Inverse of :func:`to_bytes` (loaded with weights_only=True)."""
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-
-
-def gather_key(flat_param: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """The elements of a flattened parameter that one key carries, concatenated."""
-    if len(ranges) == 1:
-        start, length = ranges[0]
-        return flat_param[start : start + length]
-    return torch.cat([flat_param[start : start + length] for start, length in ranges])
-
-
-def scatter_key(
-    flat_param: torch.Tensor, ranges: tuple[tuple[int, int], ...], values: torch.Tensor
-) -> None:
-    """Write a key's concatenated `values` back into a flattened parameter."""
-    offset = 0
-    for start, length in ranges:
-        flat_param[start : start + length].copy_(values[offset : offset + length])
-        offset += length

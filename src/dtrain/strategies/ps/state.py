@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.strategies.ps import protocol
 from dtrain.strategies.ps.sharding import Plan, ServerShard
 
 
@@ -31,7 +30,7 @@ def merge(
                 if isinstance(value, torch.Tensor) and value.dim() == 1:
                     numel = params[key.param].numel()
                     full = merged.setdefault(name, torch.zeros(numel, dtype=value.dtype))
-                    protocol.scatter_key(full, key.ranges, value)
+                    full[key.start : key.start + key.numel] = value
                 else:
                     merged[name] = value
     for index, values in state.items():
@@ -47,19 +46,29 @@ def merge(
 
 
 def split(
-    shard: ServerShard, params: list[nn.Parameter], loaded: dict[int, dict[str, Any]]
+    shard: ServerShard,
+    values: torch.Tensor,
+    params: list[nn.Parameter],
+    loaded: dict[int, dict[str, Any]] | None,
 ) -> dict[str, Any]:
-    """One server's part of the parameters and of the `loaded` optimizer state."""
-    flat = torch.empty(shard.numel, dtype=params[0].dtype)
+    """One server's part of the parameters (`values`: every parameter, flat, in the
+    workers' layout) and of the `loaded` optimizer state (None: the server keeps its own)."""
+    flat = torch.empty(shard.numel, dtype=values.dtype)
+    for bucket in shard.buckets:
+        flat[bucket.offset : bucket.offset + bucket.numel] = values[
+            bucket.start : bucket.start + bucket.numel
+        ]
+    if loaded is None:
+        return {"params": flat, "state": None}
     states: dict[int, dict[str, Any]] = {}
     for i, key in enumerate(shard.keys):
-        param = params[key.param].detach().reshape(-1).cpu()
-        flat[key.offset : key.offset + key.numel] = protocol.gather_key(param, key.ranges)
-        if key.param in loaded:
-            states[i] = {
-                name: protocol.gather_key(v.reshape(-1).cpu(), key.ranges).clone()
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param.numel()
-                else v
-                for name, v in loaded[key.param].items()
-            }
+        if key.param not in loaded:
+            continue
+        numel = params[key.param].numel()
+        states[i] = {
+            name: v.detach().reshape(-1)[key.start : key.start + key.numel].cpu().clone()
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == numel
+            else v
+            for name, v in loaded[key.param].items()
+        }
     return {"params": flat, "state": states}

@@ -1,21 +1,21 @@
 """`ps`: workers compute gradients, parameter servers hold the parameters and update them.
 
 The seeds' TensorFlow PS architecture on torch.distributed point-to-point messages over
-gloo. `--nproc W` workers are global ranks 0..W-1 and read the data; `--servers K` servers
-are the last K ranks, hold the parameters and optimizer state on the CPU, and run the
-user's script only up to `engine.setup`, which serves until every worker has finished
-and then ends the process with exit code 0. See server.py for the sync, async and ssp
-rules and sharding.py for the placement.
+gloo. `--nproc W` workers are global ranks 0..W-1, run the user's script and read the
+data; `--servers K` servers are the last K ranks and hold the parameters and optimizer
+state on the CPU. The launcher runs a server rank's :meth:`ParameterServer.role_main`
+(serving.py) instead of the script: it learns the model from worker 0's `engine.setup`
+(handshake.py), serves until every worker has finished and returns. See server.py for the
+sync, async and ssp rules and sharding.py for the placement.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
+import functools
 import os
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,11 +27,12 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
 from dtrain.strategies.base import Strategy, register
-from dtrain.strategies.ps import sharding, state
+from dtrain.strategies.ps import serving, sharding, state
 from dtrain.strategies.ps.client import Client
+from dtrain.strategies.ps.handshake import Description, handshake
 from dtrain.strategies.ps.optimizer import WorkerOptimizer, check_optimizer
-from dtrain.strategies.ps.server import Server
-from dtrain.topology import Topology, detect
+from dtrain.strategies.ps.storage import FlatParameters
+from dtrain.topology import Topology
 
 
 @register
@@ -50,6 +51,9 @@ class ParameterServer(Strategy):
         self.optimizer: WorkerOptimizer | None = None
         self.plan: sharding.Plan | None = None
         self._workers_group: dist.ProcessGroup | None = None
+        self._fresh = False
+        """True while this worker holds the servers' latest parameters (refreshed or
+        loaded, no step committed since)."""
 
     # -- layout ----------------------------------------------------------------------------
     @classmethod
@@ -71,24 +75,22 @@ class ParameterServer(Strategy):
             )
 
     @classmethod
-    def detect_topology(cls, config: Config) -> Topology:
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        if world != config.nproc + config.servers:
-            raise ConfigError(
-                f"--strategy ps with --nproc {config.nproc} workers and --servers "
-                f"{config.servers} needs {config.nproc + config.servers} processes, but this "
-                f"job has {world}; start it with `dtrain run --strategy ps --nproc W "
-                "--servers K`, which adds the servers."
-            )
-        server = int(os.environ.get("RANK", 0)) >= config.nproc
-        topology = detect(config.replace(cpu=True) if server else config)
-        # The servers' messages go over gloo (CPU tensors, receive from any source).
-        return dataclasses.replace(topology, backend="gloo")
+    def role_main(cls, config: Config, rank: int) -> Callable[[], None] | None:
+        """Server ranks serve (serving.py) instead of running the user's script."""
+        return functools.partial(serving.serve, config) if rank >= config.nproc else None
 
-    @property
-    def is_server(self) -> bool:
-        """True on the last K ranks."""
-        return self.topology.rank >= self.workers
+    @classmethod
+    def detect_topology(cls, config: Config) -> Topology:
+        rank = int(os.environ.get("RANK", 0))
+        if rank >= config.nproc:
+            raise ConfigError(
+                f"Rank {rank} is a parameter server (--strategy ps with --nproc "
+                f"{config.nproc} workers: ranks {config.nproc} and up serve), so it does not "
+                "run the training script; start ps jobs with `dtrain run --strategy ps "
+                "--nproc W --servers K SCRIPT` (or `dtrain demo --strategy ps`), which runs "
+                "the servers itself."
+            )
+        return serving.topology(config, server=False)
 
     @property
     def dp_size(self) -> int:
@@ -96,7 +98,7 @@ class ParameterServer(Strategy):
 
     @property
     def dp_rank(self) -> int:
-        return 0 if self.is_server else self.topology.rank
+        return self.topology.rank
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -109,7 +111,7 @@ class ParameterServer(Strategy):
         (backup workers, async, ssp); each worker checks its own loss."""
         return False
 
-    # -- setup -----------------------------------------------------------------------------
+    # -- setup ---------------------------------------------------------------------------
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
@@ -117,26 +119,25 @@ class ParameterServer(Strategy):
         assert optimizer is not None
         model = model.to(self.topology.device)
         params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
-        groups = [i for i, g in enumerate(optimizer.param_groups) for _ in g["params"]]
-        self.plan = sharding.plan(
-            [p.numel() for p in params], groups, self.config.servers, params[0].element_size()
+        store = FlatParameters(params)
+        description, values, self._workers_group = handshake(
+            Description.of(optimizer), store.host(), self.workers
         )
-        self._broadcast_initial(model, params)
-        # Every rank takes part in creating a group, servers included.
-        self._workers_group = dist.new_group(list(range(self.workers)))
-        if self.is_server:
-            self._serve(optimizer, params)
+        store.assign(values)
+        self._broadcast_rest(model, params)
+        self.plan = description.plan(self.config.servers)
         self.model = model
         self.client = Client(
             self.plan,
-            params,
+            store,
             self.topology.rank,
             self.workers,
             len(optimizer.param_groups),
             self.config.timeout_s,
         )
-        self.optimizer = WorkerOptimizer(optimizer, self.client.commit, self._fetch_state)
-        model.register_forward_pre_hook(lambda *_: self._wait_pulls())
+        self.optimizer = WorkerOptimizer(optimizer, self._commit, self._fetch_state)
+        # The step's own data dependency: a forward computes on the pulled parameters.
+        model.register_forward_pre_hook(lambda *_: self._client.wait_pulls())
         atexit.register(self._finish_at_exit)
         if self.topology.is_main:
             sizes = ", ".join(f"{b / 1024:.1f} KiB" for b in self.plan.bytes_per_server)
@@ -148,40 +149,33 @@ class ParameterServer(Strategy):
                 sizes,
                 self.plan.balance,
             )
+        self._fresh = True  # every worker and server holds worker 0's values
         return model, self.optimizer
 
-    def _broadcast_initial(self, model: nn.Module, params: list[nn.Parameter]) -> None:
-        """Worker 0's parameters and buffers to every rank, so all start equal."""
-        tensors = [*params, *model.buffers()]
+    def _broadcast_rest(self, model: nn.Module, served: list[nn.Parameter]) -> None:
+        """Worker 0's buffers and unserved parameters to every worker, so all start equal
+        (the servers sent the served ones in the handshake)."""
+        ids = {id(p) for p in served}
+        tensors = [p for p in model.parameters() if id(p) not in ids] + list(model.buffers())
         if not tensors:
             return
         flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
-        dist.broadcast(flat, src=0)
+        dist.broadcast(flat, src=0, group=self._workers_group)
         offset = 0
         with torch.no_grad():
             for t in tensors:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def _serve(self, optimizer: Optimizer, params: list[nn.Parameter]) -> None:
-        assert self.plan is not None
-        index = self.topology.rank - self.workers
-        flat = [p.detach().reshape(-1).cpu() for p in params]
-        server = Server(index, self.plan.shards[index], flat, optimizer, self.workers, self.config)
-        server.serve()
-        del server
-        dist.destroy_process_group()
-        sys.exit(0)
-
     # -- training --------------------------------------------------------------------------
-    def _wait_pulls(self) -> None:
-        if self.client is not None:
-            self.client.wait_pulls()
-
     @property
     def _client(self) -> Client:
         assert self.client is not None, "engine.setup has not run"
         return self.client
+
+    def _commit(self, lrs: list[float]) -> None:
+        self._fresh = False
+        self._client.commit(lrs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -191,14 +185,6 @@ class ParameterServer(Strategy):
             yield
         finally:
             client.syncing = True
-
-    def unwrap(self) -> nn.Module:
-        self._wait_pulls()
-        return super().unwrap()
-
-    def eval_module(self) -> nn.Module:
-        self._refresh()
-        return super().unwrap()
 
     def _settle(self) -> None:
         """Return once the servers have taken in every worker's committed steps.
@@ -217,19 +203,27 @@ class ParameterServer(Strategy):
         self._client.pause(False)
         dist.barrier(group=self._workers_group)
 
-    def _refresh(self) -> None:
-        """Every worker reads the servers' parameters after all committed steps."""
+    def refresh(self) -> None:
+        """Every worker reads the servers' parameters after all committed steps
+        (collective over the workers). Between steps a worker's module holds the values
+        its last forward used, or the pulled ones once its next forward has begun."""
         self._settle()
         self._client.pull_latest()
         self._resume()
+        self._fresh = True
 
     # -- checkpoints -----------------------------------------------------------------------
     def full_state(
         self, optimizer: Optimizer | None
     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
-        """Bring every worker to the servers' parameters, then the main rank's state
-        (the worker optimizer's state_dict fetches the servers' optimizer state)."""
-        self.gather_state()
+        """The servers' latest parameters and optimizer state, on the main rank (the
+        worker optimizer's state_dict fetches the servers' optimizer state).
+
+        Refreshes first unless the caller just did: every worker has taken the same steps
+        since its last refresh, so all of them decide alike.
+        """
+        if not self._fresh:
+            self.refresh()
         return super().full_state(optimizer)
 
     def load_full_state(
@@ -239,29 +233,27 @@ class ParameterServer(Strategy):
         optimizer_state: dict[str, Any] | None,
         strict: bool,
     ) -> list[str]:
-        """Load on the workers, then hand parameters and optimizer state to the servers."""
+        """Load on the workers; worker 0 then sends the loaded parameters and optimizer
+        state to every server (the servers keep their optimizer state when none was
+        loaded)."""
+        assert self.plan is not None and self.optimizer is not None
+        self._settle()  # no pull may land over the loaded values
         skipped = super().load_full_state(tensors, optimizer, optimizer_state, strict)
-        self.after_load()
+        if self.topology.is_main:
+            values = self._client.store.host()
+            loaded = self.optimizer.loaded_state
+            for s, shard in enumerate(self.plan.shards):
+                payload = state.split(shard, values, self._client.params, loaded)
+                self._client.set_state(s, payload)
+        self.optimizer.loaded_state = None
+        self._resume()
+        self._fresh = True
         return skipped
-
-    def gather_state(self) -> None:
-        self._refresh()
 
     def _fetch_state(self) -> dict[int, dict[str, Any]]:
         """The servers' optimizer state as whole tensors, by parameter position."""
         assert self.plan is not None
         return state.merge(self.plan, self._client.params, self._client.fetch_state())
-
-    def after_load(self) -> None:
-        """Worker 0 sends the loaded parameters and optimizer state to every server."""
-        assert self.plan is not None and self.optimizer is not None
-        self._settle()
-        if self.topology.is_main:
-            loaded = self.optimizer.loaded_state or {}
-            for s, shard in enumerate(self.plan.shards):
-                self._client.set_state(s, state.split(shard, self._client.params, loaded))
-        self.optimizer.loaded_state = None
-        self._resume()
 
     # -- measurements and end --------------------------------------------------------------
     def report(self) -> dict[str, object]:

@@ -1,0 +1,101 @@
+"""What worker 0 tells the servers at start, and the collectives that start a ps job.
+
+Servers never see the user's script: everything they need (the parameters' sizes,
+groups and dtype, the optimizer's class and per-group settings, the initial values)
+comes from worker 0 in :func:`handshake`, which every rank of the job (workers and
+servers) calls once, so its collectives run in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from dtrain.errors import ConfigError
+from dtrain.strategies.ps import sharding
+from dtrain.strategies.rebuild import hyperparameters
+
+
+@dataclass(frozen=True)
+class Description:
+    """The served parameters and the optimizer, as worker 0 has them.
+
+    Attributes:
+        sizes: numel of each parameter, in optimizer order (groups flattened).
+        groups: the param-group index of each parameter.
+        dtype: the parameters' dtype (one for all).
+        optimizer: the optimizer's class name (a torch.optim class).
+        settings: each param group's hyperparameters (without its parameters).
+        defaults: the optimizer's defaults.
+    """
+
+    sizes: list[int]
+    groups: list[int]
+    dtype: torch.dtype
+    optimizer: str
+    settings: list[dict[str, Any]]
+    defaults: dict[str, Any]
+
+    @classmethod
+    def of(cls, optimizer: Optimizer) -> Description:
+        """The description of `optimizer` and the parameters it holds."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return cls(
+            sizes=[p.numel() for p in params],
+            groups=[i for i, g in enumerate(optimizer.param_groups) for _ in g["params"]],
+            dtype=params[0].dtype,
+            optimizer=type(optimizer).__name__,
+            settings=[hyperparameters(group) for group in optimizer.param_groups],
+            defaults=dict(optimizer.defaults),
+        )
+
+    @property
+    def numel(self) -> int:
+        """Elements of all the served parameters."""
+        return sum(self.sizes)
+
+    def plan(self, servers: int) -> sharding.Plan:
+        """Where every bucket lives on `servers` servers (the same on every rank)."""
+        element_size = torch.empty(0, dtype=self.dtype).element_size()
+        return sharding.plan(self.sizes, self.groups, servers, element_size)
+
+    def layout(self) -> tuple[list[int], list[int], torch.dtype, str]:
+        """What must agree between workers for them to serve the same model."""
+        return self.sizes, self.groups, self.dtype, self.optimizer
+
+
+def handshake(
+    mine: Description | None, values: torch.Tensor | None, workers: int
+) -> tuple[Description, torch.Tensor, dist.ProcessGroup]:
+    """The start of a ps job: worker 0's description and initial parameter values reach
+    every rank, then every rank takes part in creating the workers' group.
+
+    Args:
+        mine: this worker's description (None on a server).
+        values: this worker's parameters as one flat CPU tensor, overwritten with worker
+            0's (None on a server, which gets a new tensor).
+        workers: W; ranks 0..W-1 are the workers.
+
+    Returns:
+        (worker 0's description, the initial values, the workers' process group).
+
+    Raises:
+        ConfigError: this worker's parameters or optimizer differ from worker 0's.
+    """
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    description: Description = box[0]  # type: ignore[assignment]
+    if mine is not None and mine.layout() != description.layout():
+        raise ConfigError(
+            f"Worker {dist.get_rank()}'s model or optimizer differs from worker 0's (parameter "
+            "sizes, param groups, dtype or optimizer class); every worker must build the same "
+            "model and optimizer before engine.setup."
+        )
+    if values is None:
+        values = torch.empty(description.numel, dtype=description.dtype)
+    dist.broadcast(values, src=0)
+    return description, values, dist.new_group(list(range(workers)))

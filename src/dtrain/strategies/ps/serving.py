@@ -1,0 +1,55 @@
+"""What a server rank runs in place of the user's script (the launcher calls it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch.distributed as dist
+
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.strategies.ps.handshake import handshake
+from dtrain.strategies.ps.server import Server
+from dtrain.topology import Topology, detect, init_process_group
+
+
+def topology(config: Config, server: bool) -> Topology:
+    """A worker's or server's topology; servers compute on the CPU, and every message of
+    the job goes over gloo (CPU tensors, receives from any source).
+
+    Raises:
+        ConfigError: the job does not have W + K processes.
+    """
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world != config.nproc + config.servers:
+        raise ConfigError(
+            f"--strategy ps with --nproc {config.nproc} workers and --servers "
+            f"{config.servers} needs {config.nproc + config.servers} processes, but this "
+            f"job has {world}; start it with `dtrain run --strategy ps --nproc W "
+            "--servers K`, which adds the servers."
+        )
+    found = detect(config.replace(cpu=True) if server else config)
+    return dataclasses.replace(found, backend="gloo")
+
+
+def serve(config: Config) -> None:
+    """A server's whole run: join the job, serve it (:func:`serve_job`), leave the
+    process group."""
+    init_process_group(topology(config, server=True), config.timeout_s)
+    try:
+        serve_job(config)
+    finally:
+        dist.destroy_process_group()
+
+
+def serve_job(config: Config) -> None:
+    """Serve one training run on the joined process group: receive the model's
+    description and initial values from worker 0's `engine.setup`, then answer the
+    workers until every one has finished."""
+    description, values, _ = handshake(None, None, config.nproc)
+    index = dist.get_rank() - config.nproc
+    shard = description.plan(config.servers).shards[index]
+    server = Server(index, shard, values, description, config.nproc, config)
+    del values  # the server copied its shard
+    server.serve()

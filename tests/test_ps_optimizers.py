@@ -1,0 +1,100 @@
+"""Sync ps equals single-process training with every kind of optimizer the servers rebuild
+from worker 0's description: SGD with momentum, Nesterov and weight decay, Adam, AdamW
+(whose param groups carry a setting its constructor does not take) and RMSprop, and
+param groups with settings of their own over 2 servers. One spawn runs several
+optimizers one after the other, the servers serving one run after another."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_ranks
+from test_ps import SERVER, ps_config
+from torch.testing import assert_close
+from training import GLOBAL_BATCH
+
+import dtrain
+from dtrain.datasets import load_digits
+from dtrain.models.digits import DigitsMLP
+from dtrain.strategies.ps import ParameterServer, serving
+from dtrain.topology import init_process_group
+
+STEPS = 5
+
+
+def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Weights and biases in groups of their own settings."""
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if not name.endswith("weight")]
+    return [{"params": weights}, {"params": biases, "lr": 3e-3, "weight_decay": 0.0}]
+
+
+OPTIMIZERS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
+    "sgd-nesterov": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3
+    ),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5),
+    "adamw-groups": lambda m: torch.optim.AdamW(_groups(m), lr=1e-2, weight_decay=0.1),
+}
+
+
+def train_with(name: str, close: bool = True, **options: Any) -> dict[str, torch.Tensor] | None:
+    """STEPS steps of the digits MLP with optimizer `name` under `options`; the parameters
+    on the main rank. `close=False` keeps the process group for another run."""
+    engine = dtrain.init(seed=0, **options)
+    model = DigitsMLP(hidden=32)
+    model, optimizer = engine.setup(model, OPTIMIZERS[name](model))
+    train_set, _ = load_digits()
+    loader = engine.dataloader(train_set, batch_size=GLOBAL_BATCH // engine.dp_size)
+    for batch in engine.progress(loader):
+        engine.train_step(batch, F.cross_entropy)
+        if engine.step == STEPS:
+            break
+    params = engine.state_dict()
+    del model, optimizer
+    if close:
+        engine.close()
+    else:
+        engine.strategy.close()
+    return params
+
+
+def ps_runs(names: list[str], workers: int, servers: int) -> Any:
+    """One rank of a ps job training with each optimizer of `names` in turn: a worker
+    returns its parameters per run, a server serves every run and returns SERVER."""
+    options = {"nproc": workers, "servers": servers}
+    config = ps_config(options)
+    if ParameterServer.role_main(config, int(os.environ["RANK"])) is None:
+        last = len(names) - 1
+        return [
+            train_with(name, close=i == last, strategy="ps", **options)
+            for i, name in enumerate(names)
+        ]
+    init_process_group(serving.topology(config, server=True), config.timeout_s)
+    for _ in names:
+        serving.serve_job(config)
+    dist.destroy_process_group()
+    return SERVER
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("workers", "servers", "names"),
+    [(2, 1, ["sgd-nesterov", "adam", "adamw", "rmsprop"]), (2, 2, ["adamw-groups", "adam"])],
+)
+def test_sync_ps_matches_single_with_each_optimizer(
+    workers: int, servers: int, names: list[str]
+) -> None:
+    results = run_ranks(ps_runs, workers + servers, names, workers, servers, timeout=200)
+    assert results[workers:] == [SERVER] * servers
+    for name, params in zip(names, results[0], strict=True):
+        expected = train_with(name, strategy="single")
+        assert_close(params, expected, msg=lambda m, n=name: f"{n}: {m}")
