@@ -34,6 +34,7 @@ from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_byt
 from dtrain.observe.progress import Throughput, track
 from dtrain.position import Position
 from dtrain.strategies import Strategy
+from dtrain.teardown import close_at_exit, forget
 from dtrain.topology import Topology
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -52,6 +53,8 @@ class Engine:
         self.position = Position()
         self.checkpoints = Checkpoints(strategy, self.position)
         self.throughput = Throughput()
+        self._closed = False
+        close_at_exit(self)
         self._watch = LossWatch(topology.device)
         self._stepping = False
         """True inside train_step's optimizer step (which reads the loss before it)."""
@@ -414,12 +417,16 @@ class Engine:
         return t.item() / dist.get_world_size(self.strategy.dp_group)
 
     def close(self) -> None:
-        """Release the strategy's wrappers, then leave the process group.
+        """Release the strategy's wrappers, then leave the process group (once; done at
+        exit if the script does not call it).
 
         The group is destroyed only once no wrapped model (DDP) is still referenced:
-        destroying it under a live DDP object can abort the process on gloo, while
-        leaving it to interpreter exit is safe.
+        destroying it under a live DDP object can abort the process on gloo.
         """
+        if self._closed:
+            return
+        self._closed = True
+        forget(self)
         self.checkpoints.finish()
         wrapped = weakref.ref(self.model) if self.model is not None else None
         self.model = None

@@ -21,6 +21,7 @@ from pathlib import Path
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.strategies import lookup
+from dtrain.teardown import exit_now
 
 _HIDDEN = (runpy.__file__, "<frozen runpy>", __file__)
 
@@ -78,8 +79,8 @@ def record(error: BaseException) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Run the target (or this rank's role); on an exception record it and return exit
-    code 1."""
+    """Run the target (or this rank's role); return its exit code: the script's own
+    `sys.exit` code, or 1 after recording an exception."""
     kind, target, *args = argv
     try:
         role = role_main()
@@ -88,8 +89,10 @@ def main(argv: list[str]) -> int:
         else:
             run_target(kind, target, args)
     except SystemExit as e:
-        if e.code not in (0, None):
-            raise
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # sys.exit("message"), as Python reports it
+        return 1
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the agent
         record(e)
         if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -100,4 +103,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

@@ -162,9 +162,23 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
             elastic_launch(launch_config, sys.executable)(*command)
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
-        raise LaunchError(format_failures(e.failures, lambda r: role(config, r))) from None
+        message = format_failures(e.failures, lambda r: role(config, r))
+        raise LaunchError(message, exit_code=exit_code_of(e.failures)) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _causes(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+    """The failures that ended the job: not the ranks the agent stopped (SIGTERM) after."""
+    stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
+    return {r: f for r, f in failures.items() if r not in stopped} or failures
+
+
+def exit_code_of(failures: dict[int, ProcessFailure]) -> int:
+    """The job's exit code: the failed ranks' own (`sys.exit(3)` on every rank gives 3)
+    when they agree on one, else 1 (a rank killed by a signal included)."""
+    codes = {f.exitcode for f in _causes(failures).values()}
+    return codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
 
 
 def format_failures(
@@ -177,8 +191,7 @@ def format_failures(
     When one rank fails the agent stops the others with SIGTERM; those are listed last,
     in one line, so the rank that caused the failure stands first.
     """
-    stopped = [r for r, f in failures.items() if f.exitcode == -signal.SIGTERM]
-    causes = {r: f for r, f in failures.items() if r not in stopped} or failures
+    causes = _causes(failures)
     reports: dict[tuple[str, str], list[int]] = {}
     for rank, failure in sorted(causes.items()):
         data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
@@ -205,7 +218,7 @@ def format_failures(
         else:
             who = f"Ranks {', '.join(map(str, ranks))}"
         parts.append(f"{who} {how}:\n{detail}")
-    others = sorted(set(stopped) - set(causes))
+    others = sorted(set(failures) - set(causes))
     if others:
         parts.append(
             f"Rank(s) {', '.join(map(str, others))} were stopped by the launcher after that."
