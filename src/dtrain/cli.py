@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from dtrain import demo
 from dtrain.checkpoint.convert import convert
 from dtrain.checkpoint.verify import summary, verify
 from dtrain.config import Config
-from dtrain.errors import ConfigError, DtrainError, LaunchError
+from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.flags import add_topology_args, config_from
 from dtrain.launch.runner import Target, launch
 from dtrain.observe.metrics import format_table
@@ -104,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except LaunchError as e:
         print(f"dtrain: the job failed.\n{e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        e = Stopped(signal.SIGINT)  # Ctrl-C before the agent took over the signal
+        print(f"dtrain: {e}", file=sys.stderr)
+        return e.exit_code
+    except Stopped as e:
+        print(f"dtrain: {e}", file=sys.stderr)
         return e.exit_code
     except DtrainError as e:
         print(f"dtrain: error: {e}", file=sys.stderr)

@@ -6,6 +6,8 @@ launcher print its message without a traceback from inside torch, and exit non-z
 
 from __future__ import annotations
 
+import signal
+
 
 class DtrainError(Exception):
     """A problem the user can fix; the message names it and the fix."""
@@ -50,3 +52,15 @@ class LaunchError(DtrainError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Stopped(DtrainError):
+    """The launcher was stopped by a signal (Ctrl-C, SIGTERM); every worker was stopped."""
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name}; every worker was stopped, and the checkpoints already "
+            "written are intact (dtrain demo continues from them with --resume)."
+        )
+        self.exit_code = 128 + int(signum)

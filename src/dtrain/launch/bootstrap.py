@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dtrain.config import Config
 from dtrain.errors import DtrainError
+from dtrain.launch.lifeline import die_with_launcher
 from dtrain.strategies import lookup
 from dtrain.teardown import exit_now
 
@@ -82,6 +83,7 @@ def main(argv: list[str]) -> int:
     """Run the target (or this rank's role); return its exit code: the script's own
     `sys.exit` code, or 1 after recording an exception."""
     kind, target, *args = argv
+    die_with_launcher()
     try:
         role = role_main()
         if role is not None:

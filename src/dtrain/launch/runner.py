@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,12 +24,14 @@ from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.config import ENV_VAR, Config
-from dtrain.errors import ConfigError, DtrainError, LaunchError
+from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.launch import bootstrap
+from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
 from dtrain.strategies import lookup
 from dtrain.topology import mask_devices, use_gpus
 
@@ -131,21 +132,43 @@ def check_port_free(port: int) -> None:
             ) from None
 
 
+def _announce_restarts(record: logging.LogRecord) -> bool:
+    """Say, in one line, that the group restarts (the agent's own record is dropped)."""
+    if "will restart worker group" in str(record.msg) and len(record.args or ()) == 4:
+        _, state, left, most = record.args  # type: ignore[misc]
+        attempt = int(most) - int(left) + 2
+        print(
+            f"dtrain: the worker group {str(state).lower()} (a worker failed); restarting it, "
+            f"attempt {attempt} of {int(most) + 1}. A script that resumes from its last "
+            "checkpoint continues from there.",
+            file=sys.stderr,
+            flush=True,
+        )
+    return False
+
+
 @contextlib.contextmanager
 def _quiet_agent() -> Iterator[None]:
-    """The agent logs each failure itself; dtrain reports them once, more clearly."""
+    """The agent logs each failure itself; dtrain reports them once, more clearly, and
+    announces restarts in its own words."""
     agent_log = logging.getLogger("torch.distributed.elastic")
-    level = agent_log.level
+    restarts = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    levels = agent_log.level, restarts.level
     agent_log.setLevel(logging.CRITICAL)
+    restarts.setLevel(logging.INFO)
+    restarts.addFilter(_announce_restarts)
     try:
         yield
     finally:
-        agent_log.setLevel(level)
+        restarts.removeFilter(_announce_restarts)
+        agent_log.setLevel(levels[0])
+        restarts.setLevel(levels[1])
 
 
 def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_worker(nproc))
-    log_dir = tempfile.mkdtemp(prefix="dtrain-agent-")
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    log_dir = scratch_folder()
     launch_config = LaunchConfig(
         min_nodes=config.nnodes,
         max_nodes=config.nnodes,
@@ -160,6 +183,8 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     try:
         with _quiet_agent():
             elastic_launch(launch_config, sys.executable)(*command)
+    except SignalException as e:
+        raise Stopped(e.sigval) from None
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
         message = format_failures(e.failures, lambda r: role(config, r))
