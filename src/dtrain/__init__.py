@@ -11,6 +11,7 @@ for epoch in range(epochs):
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
     (``cuda:LOCAL_RANK`` and NCCL when GPUs are visible, the CPU and gloo otherwise), and
     joins the process group when the strategy needs one.
     """
-    config = Config.from_env() or Config()
+    config = Config.from_env() or _outside_dtrain_run()
     if strategy is not None:
         options["strategy"] = strategy
     config = config.replace(**options)
@@ -71,6 +72,14 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
     if strategy_cls.multiprocess:
         init_process_group(topology, config.timeout_s)
     return Engine(config, topology, strategy_cls(config, topology))
+
+
+def _outside_dtrain_run() -> Config:
+    """The Config of a process not started by `dtrain run` (plain python, torchrun): the
+    strategy from DTRAIN_STRATEGY, else ddp when the launcher started several processes."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    chosen = os.environ.get("DTRAIN_STRATEGY") or ("ddp" if world > 1 else "single")
+    return Config(strategy=chosen)
 
 
 __all__ = [

@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ckpt":
             return _ckpt(args)
         config = config_from(args)
+        if args.strategy is None:
+            print(
+                f"dtrain: strategy {config.strategy} ({config.nproc * config.nnodes} "
+                "process(es); choose another with --strategy).",
+                file=sys.stderr,
+                flush=True,
+            )
         if args.command == "run":
             kind = "module" if args.module else "script"
             launch(config, Target(kind, args.script, tuple(args.script_args)))

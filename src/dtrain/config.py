@@ -31,7 +31,11 @@ def option(default: object, help: str, flag: str | None = None) -> object:
 class Config:
     """Topology and strategy options shared by `dtrain run`, `dtrain demo` and `dtrain.init`."""
 
-    strategy: str = option("single", "Strategy: how the work is spread over devices.")
+    strategy: str = option(
+        None,
+        "Strategy: how the work is spread over devices (default: ddp with more than one "
+        "process, else single).",
+    )
     nproc: int = option(1, "Processes on this machine (one per device for ddp).")
     towers: int | None = option(
         None, "Replicas in one process for --strategy towers (default: every GPU, or 2 on CPU)."
@@ -105,9 +109,7 @@ class Config:
     tp: int | None = option(
         None, "Tensor-parallel ranks per layer (tensor, hybrid; default: --nproc for tensor)."
     )
-    dp: int | None = option(
-        None, "Data-parallel replicas (hybrid; default: --nproc / (pp x tp))."
-    )
+    dp: int | None = option(None, "Data-parallel replicas (hybrid; default: --nproc / (pp x tp)).")
     dp_mode: str = option(
         "ddp", "How hybrid's data-parallel replicas synchronise: ddp, zero2 or zero3."
     )
@@ -130,7 +132,10 @@ class Config:
         self.validate()
 
     def validate(self) -> None:
-        """Check the values that do not depend on the machine; raise ConfigError if wrong."""
+        """Check the values that do not depend on the machine; raise ConfigError if wrong.
+        An unset strategy becomes ddp with more than one process, else single."""
+        if self.strategy is None:
+            self.strategy = "ddp" if self.nproc * self.nnodes > 1 else "single"
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be at least 1, got {self.nproc}.")
         if self.towers is not None and self.towers < 1:
@@ -173,10 +178,38 @@ class Config:
                 "--async-checkpoint writes sharded checkpoints in the background; add "
                 "--checkpoint-format sharded, or drop --async-checkpoint."
             )
+        if self.towers is not None and self.strategy != "towers":
+            raise ConfigError(
+                f"--towers sets the replicas of --strategy towers, which --strategy "
+                f"{self.strategy} does not use; drop --towers, or use --strategy towers."
+            )
+        if self.master is not None and self.nnodes == 1:
+            raise ConfigError(
+                "--master names node 0's rendezvous for a multi-node job, but --nnodes is 1 "
+                "(one machine picks a free local port itself); drop --master, or give --nnodes."
+            )
         self._validate_ps()
         self._validate_model_parallel()
 
     def _validate_ps(self) -> None:
+        if self.strategy != "ps":
+            given = [
+                flag
+                for flag, value in (
+                    ("--servers", self.servers != 1),
+                    ("--ps-mode", self.ps_mode != "sync"),
+                    ("--staleness", self.staleness is not None),
+                    ("--backup-workers", self.backup_workers != 0),
+                    ("--staleness-aware-lr", self.staleness_lr),
+                )
+                if value
+            ]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} configure parameter servers, which --strategy "
+                    f"{self.strategy} does not use; use --strategy ps, or drop "
+                    f"{', '.join(given)}."
+                )
         modes = ("sync", "async", "ssp")
         if self.ps_mode not in modes:
             raise ConfigError(f"--ps-mode must be one of {', '.join(modes)}, got {self.ps_mode!r}.")

@@ -32,7 +32,9 @@ from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.launch import bootstrap
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
+from dtrain.parallel.data_parallel import OFFLOAD_NEEDS_GPUS
 from dtrain.strategies import lookup
+from dtrain.strategies.ddp import SYNC_BATCHNORM_NEEDS_GPUS
 from dtrain.topology import mask_devices, use_gpus
 
 
@@ -54,7 +56,13 @@ class Target:
 
 
 def check_devices(config: Config) -> None:
-    """With GPUs in use, one process per GPU: --nproc may not exceed the visible GPUs."""
+    """With GPUs in use, one process per GPU: --nproc may not exceed the visible GPUs;
+    without them, options that need GPUs are refused before any process starts."""
+    if not use_gpus(config):
+        if config.sync_batchnorm:
+            raise ConfigError(SYNC_BATCHNORM_NEEDS_GPUS)
+        if config.cpu_offload:
+            raise ConfigError(OFFLOAD_NEEDS_GPUS)
     if lookup(config.strategy).multiprocess and use_gpus(config):
         visible = torch.cuda.device_count()
         if config.nproc > visible:
@@ -83,6 +91,17 @@ def launch(config: Config, target: Target) -> None:
 
 def _run_here(target: Target) -> None:
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    # torchrun's variables, as for any world size: scripts that call
+    # init_process_group() themselves find their rendezvous.
+    for name, value in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+    ):
+        os.environ.setdefault(name, value)
     try:
         bootstrap.run_target(target.kind, target.name, list(target.args))
     except SystemExit as e:
@@ -117,6 +136,13 @@ def _rendezvous(config: Config) -> dict[str, object]:
         "rdzv_configs": {"rank": config.node_rank, "timeout": int(config.timeout_s)},
         "run_id": f"dtrain-{host}-{port}",
     }
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def check_port_free(port: int) -> None:

@@ -25,6 +25,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import ConfigError
 
+OFFLOAD_NEEDS_GPUS = (
+    "--cpu-offload moves sharded parameters, gradients and optimizer state from the GPUs to "
+    "host memory; without GPUs there is nothing to offload. Drop the flag on the CPU."
+)
+
 
 @dataclass(frozen=True)
 class ShardOptions:
@@ -57,11 +62,7 @@ class ShardOptions:
             )
         if self.cpu_offload:
             if device.type != "cuda":
-                raise ConfigError(
-                    "--cpu-offload moves sharded parameters, gradients and optimizer state "
-                    "from the GPUs to host memory; without GPUs there is nothing to offload. "
-                    "Drop the flag on the CPU."
-                )
+                raise ConfigError(OFFLOAD_NEEDS_GPUS)
             kwargs["offload_policy"] = CPUOffloadPolicy()
         return kwargs
 

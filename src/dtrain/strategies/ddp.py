@@ -15,6 +15,11 @@ from dtrain.parallel.degrees import Degrees
 from dtrain.strategies.base import register
 from dtrain.strategies.mesh import MeshStrategy
 
+SYNC_BATCHNORM_NEEDS_GPUS = (
+    "--sync-batchnorm needs GPUs: PyTorch's SyncBatchNorm runs on CUDA only. Drop the flag "
+    "on the CPU (each worker then keeps its own statistics)."
+)
+
 
 @register
 class DDP(MeshStrategy):
@@ -33,8 +38,5 @@ class DDP(MeshStrategy):
         if not self.config.sync_batchnorm:
             return model
         if self.topology.device.type != "cuda":
-            raise ConfigError(
-                "--sync-batchnorm needs GPUs: PyTorch's SyncBatchNorm runs on CUDA only. "
-                "Drop the flag on the CPU (each worker then keeps its own statistics)."
-            )
+            raise ConfigError(SYNC_BATCHNORM_NEEDS_GPUS)
         return nn.SyncBatchNorm.convert_sync_batchnorm(model, self.mesh.dp_group)
