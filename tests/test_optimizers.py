@@ -1,9 +1,11 @@
 """Every strategy runs the common optimizers (SGD with momentum, Nesterov and weight decay,
-Adam, AdamW, RMSprop) exactly as one process does: parameters equal after a few steps."""
+Adam, AdamW, RMSprop) exactly as one process does: parameters equal after a few steps; and
+a learning-rate scheduler built before `engine.setup` drives the optimizer that trains."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from distributed import run_ranks
 from torch.testing import assert_close
 from training import OPTIMIZERS, train, train_variants
@@ -16,14 +18,20 @@ WORLD_2 = ("ddp", "zero1", "zero2", "zero3", "pipeline", "tensor")
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict]:
     """Single-process parameters of the tiny GPT after a few steps, by optimizer."""
-    return {name: train(strategy="single", optimizer_name=name, **RUN) for name in OPTIMIZERS}
+    found = {name: train(strategy="single", optimizer_name=name, **RUN) for name in OPTIMIZERS}
+    found["scheduled"] = train(strategy="single", optimizer_name="adam", scheduler=True, **RUN)
+    scheduled, constant = found["scheduled"], found["adam"]
+    assert any(not torch.allclose(scheduled[k], constant[k]) for k in constant), "no effect"
+    return found
 
 
 @pytest.mark.timeout(120)
 def test_towers_run_every_optimizer_as_single(references: dict[str, dict]) -> None:
-    for name, expected in references.items():
+    for name in OPTIMIZERS:
         params = train(strategy="towers", towers=2, optimizer_name=name, **RUN)
-        assert_close(params, expected, msg=lambda m, n=name: f"towers, {n}: {m}")
+        assert_close(params, references[name], msg=lambda m, n=name: f"towers, {n}: {m}")
+    params = train(strategy="towers", towers=2, optimizer_name="adam", scheduler=True, **RUN)
+    assert_close(params, references["scheduled"])
 
 
 @pytest.mark.timeout(400)
@@ -34,9 +42,12 @@ def test_two_process_strategies_run_every_optimizer_as_single(
         {"strategy": strategy, "optimizer_name": name, **RUN}
         for strategy in WORLD_2
         for name in OPTIMIZERS
+    ] + [
+        {"strategy": strategy, "optimizer_name": "adam", "scheduler": True, **RUN}
+        for strategy in WORLD_2
     ]
     results = run_ranks(train_variants, 2, variants, timeout=380)[0]
     for variant, params in zip(variants, results, strict=True):
-        label = f"{variant['strategy']}, {variant['optimizer_name']}"
-        expected = references[variant["optimizer_name"]]
-        assert_close(params, expected, msg=lambda m, label=label: f"{label}: {m}")
+        name = "scheduled" if variant.get("scheduler") else variant["optimizer_name"]
+        label = f"{variant['strategy']}, {name}"
+        assert_close(params, references[name], msg=lambda m, label=label: f"{label}: {m}")

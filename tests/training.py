@@ -39,6 +39,7 @@ def train(
     with_report: bool = False,
     manual: bool = False,
     optimizer_name: str | None = None,
+    scheduler: bool = False,
     **options: Any,
 ) -> Any:
     """Train `steps` steps under `options` (given to dtrain.init); return the parameters
@@ -46,7 +47,9 @@ def train(
 
     With `with_report`, return (parameters, the strategy's report) instead. With `manual`,
     step by hand (``engine.backward(loss); optimizer.step(); optimizer.zero_grad()``).
-    `optimizer_name` picks one of OPTIMIZERS instead of the model's default.
+    `optimizer_name` picks one of OPTIMIZERS instead of the model's default. With
+    `scheduler`, a StepLR halving the learning rate every step is built on the optimizer
+    before `engine.setup` (as most scripts do) and stepped after each step.
 
     With `checkpoint_in`, first load that checkpoint (any strategy may have written it);
     with `checkpoint_out`, save one at the end. `close=False` keeps the process group for
@@ -65,6 +68,7 @@ def train(
         loss_fn = F.cross_entropy
     if optimizer_name is not None:
         optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    halving = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5) if scheduler else None
     model, optimizer = engine.setup(model, optimizer)
     if checkpoint_in:
         engine.load(checkpoint_in)
@@ -80,6 +84,8 @@ def train(
                 optimizer.zero_grad()
             else:
                 engine.train_step(batch, loss_fn)
+            if halving is not None:
+                halving.step()
             if engine.step == target:
                 break
         epoch += 1

@@ -30,7 +30,7 @@ from dtrain.parallel.parallelize import Parallelized, microbatches, parallelize,
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
-from dtrain.strategies.rebuild import group_names, rebuild
+from dtrain.strategies.rebuild import group_names, repoint
 from dtrain.topology import Topology
 
 
@@ -155,7 +155,7 @@ class MeshStrategy(Strategy):
         local = self.parts.local
         here = {n for n, _ in local.named_parameters()}
         mine = [[n for n in group if n in here] for group in names]
-        return self.model, rebuild(optimizer, mine, local)
+        return self.model, repoint(optimizer, mine, local)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Changes a preset makes to the model before it is parallelised (none here)."""

@@ -77,10 +77,14 @@ def restate(
     return new
 
 
-def rebuild(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> Optimizer:
-    """A new optimizer of `optimizer`'s class over `model`'s parameters called `names`.
+def repoint(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> Optimizer:
+    """`optimizer` itself, its group i now holding `model`'s parameters called `names[i]`
+    (sharded DTensors, or a pipeline stage's subset); every setting is kept.
 
-    Each group keeps its hyperparameters; the optimizer must have no state yet.
+    The user's object goes on training, so whatever holds it (a learning-rate scheduler
+    built before `engine.setup`, a reference kept by the script) keeps working: a new
+    optimizer in its place would leave a scheduler driving one that no longer steps. The
+    optimizer must have no state yet.
     """
     if optimizer.state:
         raise ConfigError(
@@ -88,5 +92,7 @@ def rebuild(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> O
             "load a checkpoint with engine.load afterwards."
         )
     by_name = dict(model.named_parameters())
-    params = [[by_name[n] for n in group] for group in names]
-    return restate(type(optimizer), optimizer.param_groups, params, optimizer.defaults)
+    for group, group_names in zip(optimizer.param_groups, names, strict=True):
+        group["params"] = [by_name[n] for n in group_names]
+    optimizer.state.clear()
+    return optimizer

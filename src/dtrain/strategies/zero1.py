@@ -45,6 +45,10 @@ class Zero1(DDP):
         )
         for group in rest:
             sharded.add_param_group(group)
+        # Its groups are the user's own dicts (same parameters, same order), which it copies
+        # into the local optimizer at every step: a scheduler built on the user's optimizer
+        # before engine.setup drives the learning rate that trains.
+        sharded.param_groups = optimizer.param_groups
         return wrapped, sharded
 
     def full_state(
