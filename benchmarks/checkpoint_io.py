@@ -7,16 +7,18 @@ safetensors file and one optimizer file), a sharded one (every rank writes its o
 shards with torch.distributed.checkpoint), or a sharded one saved in the background
 (--async-checkpoint: "save" is how long training is held, "done" the wait for the rest).
 Time is the slowest rank's, from a barrier to the call's return (median over repeats).
-Memory is each rank's peak resident set during the call (the kernel's VmHWM, reset
-before each call; the largest over repeats), shown as the rise above what the rank held
-after training, before any checkpoint. Loads read files the save has just left in the
-page cache; every load includes rank 0 checking every file's SHA-256.
+Memory is how far each rank's resident set rose during the call (the kernel's VmHWM,
+reset before each call, less the resident set just before it, with freed memory first
+handed back by malloc_trim; the largest over repeats); pages of a file mapped to read it
+count while resident. Loads read files the save has just left in the page cache; every
+load includes rank 0 checking every file's SHA-256.
 
     python benchmarks/checkpoint_io.py --nproc 2 --repeats 3
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gc
 import re
@@ -42,6 +44,7 @@ LAYOUTS = {
     "sharded async": {"checkpoint_format": "sharded", "async_checkpoint": True},
 }
 MIB = 2**20
+LIBC = ctypes.CDLL("libc.so.6")
 
 
 def resident(field: str) -> int:
@@ -51,17 +54,26 @@ def resident(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
 
 
-def measured(call: Callable[[], Any]) -> tuple[float, int]:
-    """(seconds from a barrier to the return of `call`, peak resident set during it)."""
+def settled() -> int:
+    """The resident set once freed memory is back with the kernel (the C allocator keeps
+    freed blocks, which a later call would reuse unseen)."""
     gc.collect()
+    LIBC.malloc_trim(0)
+    return resident("VmRSS")
+
+
+def measured(call: Callable[[], Any]) -> tuple[float, int]:
+    """(seconds from a barrier to the return of `call`, how far the resident set rose
+    above where it stood before)."""
+    before = settled()
     Path("/proc/self/clear_refs").write_text("5")  # the kernel's peak RSS := current RSS
     dist.barrier()
     start = time.perf_counter()
     call()
     seconds = time.perf_counter() - start
-    peak = resident("VmHWM")
+    rise = resident("VmHWM") - before
     dist.barrier()
-    return seconds, peak
+    return seconds, rise
 
 
 def worker(
@@ -78,8 +90,7 @@ def worker(
     for _ in range(steps):
         tokens = torch.randint(0, 256, (batch // engine.dp_size, context + 1))
         engine.train_step((tokens[:, :-1], tokens[:, 1:]), lm_loss)
-    gc.collect()
-    figures: dict[str, Any] = {"held": resident("VmRSS")}
+    figures: dict[str, Any] = {"held": settled()}
     path = Path(root) / layout.replace(" ", "-")
     for repeat in range(warmup + repeats):
         rows = {"save": measured(functools.partial(engine.save, path))}
@@ -87,9 +98,9 @@ def worker(
             rows["done"] = measured(engine.checkpoints.finish)
         rows["load"] = measured(functools.partial(engine.load, path))
         if repeat >= warmup:
-            for name, (seconds, peak) in rows.items():
+            for name, (seconds, rise) in rows.items():
                 figures.setdefault(f"{name} s", []).append(seconds)
-                figures.setdefault(f"{name} peak", []).append(peak)
+                figures.setdefault(f"{name} rise", []).append(rise)
     engine.close()
     return figures
 
@@ -109,8 +120,9 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     print(
         f"GPT {args.size}: {psi:,} parameters, fp32 AdamW, zero3 at world size {args.nproc}; "
-        f"medians of {args.repeats} repeats. Seconds: the slowest rank. MiB: each rank's "
-        "peak resident set during the call above what it held after training (held in ())."
+        f"medians of {args.repeats} repeats. Seconds: the slowest rank. MiB: how far each "
+        "rank's resident set rose during the call (largest repeat); in (): what it held "
+        "after training."
     )
     table: dict[str, dict[str, float]] = {}
     for layout, per_rank in ranks.items():
@@ -118,7 +130,7 @@ def main() -> None:
         for measure in (m for m in per_rank[0] if m.endswith(" s")):
             name = measure.removesuffix(" s")
             slowest = [max(values) for values in zip(*(r[measure] for r in per_rank), strict=True)]
-            rises = [(max(r[f"{name} peak"]) - r["held"]) / MIB for r in per_rank]
+            rises = [max(r[f"{name} rise"]) / MIB for r in per_rank]
             row[measure] = statistics.median(slowest)
             row[f"{name} MiB"] = max(rises)
             memory = " / ".join(f"{m:,.0f}" for m in rises)

@@ -95,7 +95,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "--keep-checkpoints",
         type=int,
         default=3,
-        help="How many of the newest checkpoints to keep.",
+        help="How many of the newest checkpoints to keep; the main rank deletes older ones "
+        "once a new one is complete.",
     )
     g.add_argument(
         "--resume",

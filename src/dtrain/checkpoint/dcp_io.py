@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dtrain.errors import CheckpointError
@@ -110,8 +110,9 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(self.directory)
-        if metadata.storage_meta is not None:
-            metadata.storage_meta.load_id = self.load_id
+        if metadata.storage_meta is None:  # written by an older torch
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
