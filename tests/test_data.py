@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import contextlib
+import io
 
+import pytest
+import torch
+from distributed import run_ranks
+
+import dtrain
 from dtrain.data import ShardedBatchSampler
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, SetupError
 
 
 def shares(world: int, global_batch: int = 12, size: int = 100, epoch: int = 0) -> list[list[int]]:
@@ -60,3 +66,32 @@ def test_evaluation_keeps_the_partial_batch_split_over_ranks() -> None:
 def test_a_data_set_smaller_than_one_global_batch_is_refused() -> None:
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         ShardedBatchSampler(10, 8, dp_size=2)
+
+
+def test_a_stream_is_refused_with_what_to_do() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from range(10)
+
+    engine = dtrain.init(strategy="single")
+    with pytest.raises(SetupError, match="Shard the stream yourself"):
+        engine.dataloader(Stream(), batch_size=2)
+
+
+def unsharded_warning() -> str:
+    """What rank 0 prints when two ddp workers iterate one plain DataLoader."""
+    engine = dtrain.init(strategy="ddp")
+    engine.setup(torch.nn.Linear(2, 2), None)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for _ in engine.progress(loader):
+            break
+    engine.close()
+    return printed.getvalue()
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_loader_under_ddp_is_warned_about() -> None:
+    said = run_ranks(unsharded_warning, 2)[0]
+    assert "this loader is not sharded, so each of the 2 data-parallel workers" in said

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from dtrain.checkpointing import Checkpoints
 from dtrain.collectives import barrier, gather_objects
@@ -54,6 +54,7 @@ class Engine:
         self.checkpoints = Checkpoints(strategy, self.position)
         self.throughput = Throughput()
         self._closed = False
+        self._warned_unsharded = False
         close_at_exit(self)
         self._watch = LossWatch(topology.device)
         self._stepping = False
@@ -177,6 +178,14 @@ class Engine:
                 training; use False for evaluation).
             loader_kwargs: passed to `torch.utils.data.DataLoader` (num_workers, ...).
         """
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise SetupError(
+                f"engine.dataloader shards map-style datasets (with __len__ and "
+                f"__getitem__), and {type(dataset).__name__} is a stream. Shard the stream "
+                "yourself, each worker reading every engine.dp_size-th batch from offset "
+                "engine.strategy.dp_rank (e.g. itertools.islice), and iterate a plain "
+                "DataLoader of per-worker batches; or index the data as a map-style Dataset."
+            )
         sampler = ShardedBatchSampler(
             len(dataset),  # type: ignore[arg-type]
             batch_size,
@@ -198,6 +207,7 @@ class Engine:
         already trained (whole epochs, then the batches of the epoch it stopped in).
         """
         sampler = loader.batch_sampler
+        self._warn_if_unsharded(loader)
         skip = 0
         where = self.position
         if where.resume_at is not None:
@@ -226,6 +236,24 @@ class Engine:
         )
         if self._watch.unread:
             self._read_loss()  # the epoch's last steps, before anything is saved
+
+    def _warn_if_unsharded(self, loader: Any) -> None:
+        """Several data-parallel workers reading one plain loader each train on the same
+        samples, which is legal but rarely meant: say so once."""
+        if self.dp_size == 1 or self._warned_unsharded:
+            return
+        sampler = getattr(loader, "batch_sampler", None)
+        inner = getattr(sampler, "sampler", None)
+        if isinstance(sampler, ShardedBatchSampler) or isinstance(inner, DistributedSampler):
+            return
+        self._warned_unsharded = True
+        message = (
+            f"dtrain: warning: this loader is not sharded, so each of the {self.dp_size} "
+            "data-parallel workers reads every sample; build it with engine.dataloader "
+            "(or a DistributedSampler) so that each reads its own share."
+        )
+        LOGGER.warning(message)
+        self.print(message)
 
     # -- training -------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:
