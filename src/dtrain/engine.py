@@ -56,7 +56,7 @@ class Engine:
         self._closed = False
         self._warned_unsharded = False
         close_at_exit(self)
-        self._watch = LossWatch(topology.device)
+        self._watch = LossWatch(config.log_every)
         self._stepping = False
         """True inside train_step's optimizer step (which reads the loss before it)."""
         self.memory: dict[str, int] | None = None
@@ -295,7 +295,7 @@ class Engine:
             weight = x.shape[0] / total
             with sync:
                 loss = self.strategy.forward_backward((x, y), loss_fn, weight)
-            mean = mean + loss * weight
+            mean = loss if k == 1 else mean + loss * weight
             if measure:  # parameters held between forward and backward
                 held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
         assert isinstance(mean, torch.Tensor)
@@ -424,6 +424,8 @@ class Engine:
         """Load a checkpoint written under any strategy and world size, or a plain
         PyTorch / safetensors file; return its manifest (see :meth:`Checkpoints.load`)."""
         self._require_setup("engine.load")
+        if self._watch.unread:
+            self._read_loss()  # the steps before the load are checked before they are left
         return self.checkpoints.load(path, strict)
 
     def resume(self, root: str | Path) -> dict[str, Any] | None:

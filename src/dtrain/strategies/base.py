@@ -202,7 +202,7 @@ class Strategy:
         inputs, targets = batch
         with self.autocast():
             loss = loss_fn(self.model(inputs), targets)  # type: ignore[misc]
-        self.backward(loss * scale)
+        self.backward(loss if scale == 1 else loss * scale)
         return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
