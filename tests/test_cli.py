@@ -261,3 +261,11 @@ def test_gpt_trains_under_zero3_and_reports_memory(tmp_path: Path) -> None:
     for row in memory:  # ZeRO-3, fp32 AdamW: 16 bytes per parameter over 2 ranks
         total = row["parameters"] + row["gradients"] + row["optimizer"]
         assert abs(total - 16 * params / 2) / (16 * params / 2) < 0.02
+
+
+def test_version_and_defaults_in_help(tmp_path: Path) -> None:
+    version = run_cli("--version", cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.startswith("dtrain ")
+    shown = run_cli("run", "--help", cwd=tmp_path).stdout
+    assert "(default: 10)" in shown  # --log-every
+    assert "(default: 600.0)" in shown  # --timeout

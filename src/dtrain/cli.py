@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dtrain import demo
+from dtrain import __version__, demo
 from dtrain.checkpoint.convert import convert
 from dtrain.checkpoint.verify import summary, verify
 from dtrain.config import Config
@@ -21,13 +21,16 @@ from dtrain.strategies import lookup
 def build_parser() -> argparse.ArgumentParser:
     """The full `dtrain` argument parser."""
     parser = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         prog="dtrain",
         description="Run a one-device PyTorch training loop on many devices by changing one flag.",
     )
+    parser.add_argument("--version", action="version", version=f"dtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
         "run",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="Launch a training script on every worker.",
         description="Launch SCRIPT (or -m MODULE) under the chosen topology.",
     )
@@ -45,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_parser = sub.add_parser(
         "demo",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="Train a bundled model on real data (digits).",
         description="The main job: train a classifier on scikit-learn's "
         "handwritten digits under any strategy.",
