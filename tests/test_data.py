@@ -95,3 +95,21 @@ def unsharded_warning() -> str:
 def test_a_plain_loader_under_ddp_is_warned_about() -> None:
     said = run_ranks(unsharded_warning, 2)[0]
     assert "this loader is not sharded, so each of the 2 data-parallel workers" in said
+
+
+def global_batch_shares() -> tuple[int, str]:
+    """At world 3: the per-worker batch of a global 12, and the refusal of a global 64."""
+    engine = dtrain.init(strategy="ddp")
+    data = torch.utils.data.TensorDataset(torch.zeros(30, 2))
+    per_worker = engine.dataloader(data, global_batch_size=12).batch_sampler.batch_size
+    with pytest.raises(SetupError) as refused:
+        engine.dataloader(data, global_batch_size=64)
+    engine.close()
+    return per_worker, str(refused.value)
+
+
+@pytest.mark.timeout(60)
+def test_the_global_batch_can_be_given_and_must_divide() -> None:
+    per_worker, refused = run_ranks(global_batch_shares, 3)[0]
+    assert per_worker == 4
+    assert "A global batch of 64 does not split evenly over 3 data-parallel workers" in refused

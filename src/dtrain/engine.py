@@ -162,9 +162,11 @@ class Engine:
     def dataloader(
         self,
         dataset: Dataset,
-        batch_size: int,
+        batch_size: int | None = None,
         shuffle: bool = True,
         drop_last: bool = True,
+        *,
+        global_batch_size: int | None = None,
         **loader_kwargs: Any,
     ) -> DataLoader:
         """A loader giving this worker its share of each global batch.
@@ -173,6 +175,8 @@ class Engine:
             dataset: a map-style dataset of (input, target) samples.
             batch_size: samples per worker per step; the global batch is this times
                 `engine.dp_size`.
+            global_batch_size: instead of `batch_size`, the samples of one step over all
+                workers (it must divide evenly over `engine.dp_size`).
             shuffle: one shuffle per epoch, shared by all workers.
             drop_last: drop the epoch's last incomplete global batch (keep True for
                 training; use False for evaluation).
@@ -186,6 +190,7 @@ class Engine:
                 "engine.strategy.dp_rank (e.g. itertools.islice), and iterate a plain "
                 "DataLoader of per-worker batches; or index the data as a map-style Dataset."
             )
+        batch_size = self._per_worker_batch(batch_size, global_batch_size)
         sampler = ShardedBatchSampler(
             len(dataset),  # type: ignore[arg-type]
             batch_size,
@@ -236,6 +241,24 @@ class Engine:
         )
         if self._watch.unread:
             self._read_loss()  # the epoch's last steps, before anything is saved
+
+    def _per_worker_batch(self, batch_size: int | None, global_batch_size: int | None) -> int:
+        """The per-worker batch from exactly one of the two ways to give it."""
+        if (batch_size is None) == (global_batch_size is None):
+            raise SetupError(
+                "engine.dataloader needs one of batch_size (per worker) or "
+                "global_batch_size (over all workers); pass exactly one."
+            )
+        if global_batch_size is None:
+            assert batch_size is not None
+            return batch_size
+        if global_batch_size % self.dp_size or global_batch_size < self.dp_size:
+            raise SetupError(
+                f"A global batch of {global_batch_size} does not split evenly over "
+                f"{self.dp_size} data-parallel workers; use a multiple of {self.dp_size} "
+                "(or change the number of processes)."
+            )
+        return global_batch_size // self.dp_size
 
     def _warn_if_unsharded(self, loader: Any) -> None:
         """Several data-parallel workers reading one plain loader each train on the same
