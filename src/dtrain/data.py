@@ -9,11 +9,12 @@ workers, and the ranks' shares, concatenated in rank order, are the global batch
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, SetupError
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -100,3 +101,39 @@ def _share(batch: list[int], parts: int, index: int) -> list[int]:
     size, rest = divmod(len(batch), parts)
     start = index * size + min(index, rest)
     return batch[start : start + size + (1 if index < rest else 0)]
+
+
+def per_worker_batch(batch_size: int | None, global_batch_size: int | None, dp_size: int) -> int:
+    """The per-worker batch from exactly one of the two ways to give it; a SetupError if
+    both or neither are given, or if the global batch does not split over `dp_size`."""
+    if (batch_size is None) == (global_batch_size is None):
+        raise SetupError(
+            "engine.dataloader needs one of batch_size (per worker) or global_batch_size "
+            "(over all workers); pass exactly one."
+        )
+    if global_batch_size is None:
+        assert batch_size is not None
+        return batch_size
+    if global_batch_size % dp_size or global_batch_size < dp_size:
+        raise SetupError(
+            f"A global batch of {global_batch_size} does not split evenly over {dp_size} "
+            f"data-parallel workers; use a multiple of {dp_size} (or change the number of "
+            "processes)."
+        )
+    return global_batch_size // dp_size
+
+
+def unsharded_warning(loader: Any, dp_size: int) -> str | None:
+    """A warning if `dp_size` > 1 workers iterating `loader` would each read every sample
+    (neither a ShardedBatchSampler nor a DistributedSampler); None if it is sharded."""
+    sampler = getattr(loader, "batch_sampler", None)
+    inner = getattr(sampler, "sampler", None)
+    if dp_size == 1 or isinstance(sampler, ShardedBatchSampler):
+        return None
+    if isinstance(inner, DistributedSampler):
+        return None
+    return (
+        f"dtrain: warning: this loader is not sharded, so each of the {dp_size} data-parallel "
+        "workers reads every sample; build it with engine.dataloader (or a "
+        "DistributedSampler) so that each reads its own share."
+    )

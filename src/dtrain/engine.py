@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from dtrain.checkpointing import Checkpoints
 from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config
-from dtrain.data import ShardedBatchSampler
+from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
 from dtrain.errors import NonFiniteLossError, SetupError
 from dtrain.evaluation import evaluation_sums
 from dtrain.observe.logs import LOGGER, log_to_file
@@ -190,7 +190,7 @@ class Engine:
                 "engine.strategy.dp_rank (e.g. itertools.islice), and iterate a plain "
                 "DataLoader of per-worker batches; or index the data as a map-style Dataset."
             )
-        batch_size = self._per_worker_batch(batch_size, global_batch_size)
+        batch_size = per_worker_batch(batch_size, global_batch_size, self.dp_size)
         sampler = ShardedBatchSampler(
             len(dataset),  # type: ignore[arg-type]
             batch_size,
@@ -242,39 +242,11 @@ class Engine:
         if self._watch.unread:
             self._read_loss()  # the epoch's last steps, before anything is saved
 
-    def _per_worker_batch(self, batch_size: int | None, global_batch_size: int | None) -> int:
-        """The per-worker batch from exactly one of the two ways to give it."""
-        if (batch_size is None) == (global_batch_size is None):
-            raise SetupError(
-                "engine.dataloader needs one of batch_size (per worker) or "
-                "global_batch_size (over all workers); pass exactly one."
-            )
-        if global_batch_size is None:
-            assert batch_size is not None
-            return batch_size
-        if global_batch_size % self.dp_size or global_batch_size < self.dp_size:
-            raise SetupError(
-                f"A global batch of {global_batch_size} does not split evenly over "
-                f"{self.dp_size} data-parallel workers; use a multiple of {self.dp_size} "
-                "(or change the number of processes)."
-            )
-        return global_batch_size // self.dp_size
-
     def _warn_if_unsharded(self, loader: Any) -> None:
-        """Several data-parallel workers reading one plain loader each train on the same
-        samples, which is legal but rarely meant: say so once."""
-        if self.dp_size == 1 or self._warned_unsharded:
-            return
-        sampler = getattr(loader, "batch_sampler", None)
-        inner = getattr(sampler, "sampler", None)
-        if isinstance(sampler, ShardedBatchSampler) or isinstance(inner, DistributedSampler):
+        """Warn once if the data-parallel workers would all read every sample."""
+        if self._warned_unsharded or (message := unsharded_warning(loader, self.dp_size)) is None:
             return
         self._warned_unsharded = True
-        message = (
-            f"dtrain: warning: this loader is not sharded, so each of the {self.dp_size} "
-            "data-parallel workers reads every sample; build it with engine.dataloader "
-            "(or a DistributedSampler) so that each reads its own share."
-        )
         LOGGER.warning(message)
         self.print(message)
 
