@@ -274,8 +274,7 @@ def save(engine: dtrain.Engine, root: Path, keep: int) -> None:
     path = checkpoint.step_path(root, engine.step)
     if engine.checkpoints.saved(path):
         return
-    engine.check_loss()  # as engine.save does: a non-finite loss never reaches a checkpoint
-    engine.checkpoints.save(path, keep=keep)
+    engine.save(path, keep=keep)
 
 
 def resume_from(engine: dtrain.Engine, root: Path) -> None:

@@ -401,7 +401,11 @@ class Engine:
         return self.checkpoints.state_dict()
 
     def save(
-        self, path: str | Path, epoch: int | None = None, extra: dict[str, Any] | None = None
+        self,
+        path: str | Path,
+        epoch: int | None = None,
+        extra: dict[str, Any] | None = None,
+        keep: int | None = None,
     ) -> None:
         """Write a checkpoint directory at `path` (collective; see :class:`Checkpoints`).
 
@@ -409,11 +413,13 @@ class Engine:
             path: the checkpoint directory; replaced atomically if it exists.
             epoch: the epoch to record (default: the one `progress` is in).
             extra: more manifest fields (JSON values).
+            keep: once it is complete, delete all but the newest `keep` checkpoints
+                beside it.
         """
         self._require_setup("engine.save")
         if self._watch.unread:
             self._read_loss()  # a non-finite loss must never reach a checkpoint
-        self.checkpoints.save(path, epoch, extra)
+        self.checkpoints.save(path, epoch, extra, keep)
 
     def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint written under any strategy and world size, or a plain
