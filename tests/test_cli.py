@@ -49,6 +49,8 @@ def test_ddp_stop_and_resume_equals_uninterrupted(tmp_path: Path) -> None:
     demo(tmp_path, *common, name="whole")
     ddp = ("--strategy", "ddp", "--nproc", "2")
     demo(tmp_path, *common, *ddp, "--steps", "25", name="split")
+    again = run_cli("demo", *common, "--out", str(tmp_path / "split"), cwd=tmp_path)
+    assert again.returncode == 2 and "add --resume to continue it, --overwrite" in again.stderr
     resumed = demo(tmp_path, *common, *ddp, "--resume", name="split")
     assert resumed["steps"] == 44
     whole = safetensors.torch.load_file(

@@ -84,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_demo_batch(config: Config, args: argparse.Namespace) -> None:
+def _check_demo(config: Config, args: argparse.Namespace) -> None:
     dp_size, splits = lookup(config.strategy).batch_layout(config)
     demo.complete_args(args)
     demo.check_batch(args.global_batch_size, dp_size, splits, config.grad_accumulation)
+    if config.node_rank == 0:
+        demo.claim_out(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             kind = "module" if args.module else "script"
             launch(config, Target(kind, args.script, tuple(args.script_args)))
         else:
-            _check_demo_batch(config, args)
+            _check_demo(config, args)
             launch(config, Target("module", demo.__name__, tuple(argv[1:])))
     except ConfigError as e:
         print(f"dtrain: error: {e}", file=sys.stderr)

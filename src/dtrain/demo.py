@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         help="Continue from the newest intact checkpoint under --out (any strategy and "
         "world size may have written it); a restart after --max-restarts does this itself.",
     )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Start afresh in an --out that holds an earlier run's checkpoints, deleting them.",
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -130,6 +136,25 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.keep_checkpoints < 1:
         raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}.")
     return args
+
+
+def claim_out(args: argparse.Namespace) -> None:
+    """Refuse an --out holding an earlier run's checkpoints unless --resume continues it or
+    --overwrite starts afresh (deleting them): mixing two runs there would let a later
+    --resume pick up the wrong one. Called by the launcher, before any process starts."""
+    root = args.out / "checkpoints"
+    if args.resume and args.overwrite:
+        raise ConfigError(
+            "--resume continues the run in --out and --overwrite deletes it; pick one."
+        )
+    if args.resume or not checkpoint.find_latest(root):
+        return
+    if not args.overwrite:
+        raise ConfigError(
+            f"{args.out} already holds checkpoints of an earlier run; add --resume to continue "
+            "it, --overwrite to start afresh (deleting them), or choose another --out."
+        )
+    shutil.rmtree(root)
 
 
 def check_batch(global_batch: int, dp_size: int, splits: int, grad_accumulation: int) -> int:
@@ -254,6 +279,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             print(format_memory(metrics["memory"]), flush=True)
         if args.metrics_json:
             write_metrics(args.metrics_json, metrics)
+        wrote = f"metrics in {args.metrics_json}, " if args.metrics_json else ""
+        print(
+            f"Checkpoints in {ckpt_root}, {wrote}logs in {args.out / 'logs'} (one per rank).",
+            flush=True,
+        )
     LOGGER.info("metrics %s", metrics)
     engine.close()
     return metrics
