@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,17 @@ def test_one_process_checkpoints_resume_under_ddp(tmp_path: Path) -> None:
     uninterrupted = train(steps=10, strategy="single")
     for resumed in run_ranks(train_variants, 2, variants)[0]:
         assert_close(resumed, uninterrupted)
+
+
+def test_checkpoints_honour_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o022)
+    try:
+        engine = dtrain.init(strategy="single")
+        model = DigitsMLP(hidden=4)
+        engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.save(tmp_path / "ckpt")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "ckpt").stat().st_mode) == 0o755
+    for path in (tmp_path / "ckpt").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path.name

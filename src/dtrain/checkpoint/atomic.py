@@ -25,6 +25,7 @@ def temporary_beside(target: Path) -> Path:
 def commit(tmp: Path, target: Path) -> None:
     """Make the complete directory `tmp` appear as `target` in one rename (replacing a
     previous `target`), with every file flushed to disk first."""
+    _share_as_umask_says(tmp)
     for path in tmp.iterdir():
         _fsync(path)
     old = None
@@ -50,6 +51,18 @@ def atomic_directory(target: Path) -> Iterator[Path]:
         commit(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _share_as_umask_says(directory: Path) -> None:
+    """Give `directory` and its files the modes the process's umask asks for: the
+    temporary directory (0700) and files some writers create through temporary files
+    (0600) would otherwise keep teammates on a shared disk out."""
+    mask = os.umask(0)
+    os.umask(mask)
+    directory.chmod(0o777 & ~mask)
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
 
 
 def _fsync(path: Path) -> None:
