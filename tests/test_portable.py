@@ -172,3 +172,23 @@ def test_a_killed_worker_is_survived_by_restarting_from_the_last_checkpoint(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_close(safetensors.torch.load_file(out), train(steps=10, strategy="single"))
+
+
+def test_a_partial_load_skips_the_optimizer_state_of_what_it_skips(tmp_path: Path) -> None:
+    def make(outputs: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, outputs))
+
+    batch = (torch.randn(4, 4), torch.randint(0, 2, (4,)))
+    engine = dtrain.init(strategy="single")
+    model = make(2)
+    model, optimizer = engine.setup(model, torch.optim.Adam(model.parameters()))
+    engine.train_step(batch, torch.nn.functional.cross_entropy)
+    engine.save(tmp_path / "two")
+    engine.close()
+    engine = dtrain.init(strategy="single")
+    model = make(3)
+    model, optimizer = engine.setup(model, torch.optim.Adam(model.parameters()))
+    engine.load(tmp_path / "two", strict=False)
+    assert set(optimizer.state) == set(model[0].parameters())  # the matching layer only
+    engine.train_step(batch, torch.nn.functional.cross_entropy)  # and training goes on
+    engine.close()

@@ -231,5 +231,9 @@ class Checkpoints:
 
     def _log_skipped(self, path: Path, skipped: list[str]) -> None:
         if skipped:
-            LOGGER.warning("loaded %s partially; skipped %s", path, ", ".join(skipped))
-            self.print(f"dtrain: warning: loaded {path} partially; skipped {', '.join(skipped)}")
+            message = (
+                f"loaded {path} partially; skipped {', '.join(skipped)} (they keep their "
+                "values, and their optimizer state starts fresh)"
+            )
+            LOGGER.warning(message)
+            self.print(f"dtrain: warning: {message}")

@@ -69,8 +69,17 @@ def state_by_name(
     return {"state": state, "param_groups": groups}
 
 
-def load_by_name(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict[str, Any]) -> None:
-    """Load a name-keyed optimizer state (from :func:`state_by_name`) into `optimizer`."""
+def load_by_name(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    saved: dict[str, Any],
+    only: set[str] | None = None,
+) -> None:
+    """Load a name-keyed optimizer state (from :func:`state_by_name`) into `optimizer`.
+
+    With `only`, load the state of those parameters alone (a partial load, strict=False:
+    the others start fresh) instead of requiring the same parameters in every group.
+    """
     position_names = _positions_to_names(optimizer, parameter_names(model))
     name_positions = {name: pos for pos, name in position_names.items()}
     saved_groups = saved["param_groups"]
@@ -87,7 +96,7 @@ def load_by_name(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict
         start += len(positions)
         here = {position_names[p] for p in positions}
         there = set(saved_group["params"])
-        if here != there:
+        if only is None and here != there:
             diff = sorted(here ^ there)
             raise CheckpointError(
                 "The checkpoint's optimizer covers other parameters than this one (differing: "
@@ -96,5 +105,9 @@ def load_by_name(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict
             )
         # load_state_dict pairs saved and current parameters by position, in order.
         groups.append({**saved_group, "params": positions})
-    state = {name_positions[name]: value for name, value in saved["state"].items()}
+    state = {
+        name_positions[name]: value
+        for name, value in saved["state"].items()
+        if name in name_positions and (only is None or name in only)
+    }
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -236,7 +236,8 @@ class Strategy:
         module = self.unwrap()
         skipped = load_model(module, tensors, strict)
         if optimizer is not None and optimizer_state is not None:
-            load_by_name(optimizer, module, optimizer_state)
+            loaded = {n for n, _ in module.named_parameters()} - set(skipped)
+            load_by_name(optimizer, module, optimizer_state, loaded if skipped else None)
         return skipped
 
     @contextlib.contextmanager

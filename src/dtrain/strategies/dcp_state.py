@@ -73,7 +73,7 @@ def load_full_state(
     options = StateDictOptions(full_state_dict=True, strict=not skipped)
     set_model_state_dict(module, usable, options=options)
     if optimizer is not None and optimizer_state is not None:
-        names = {n for n, _ in module.named_parameters()}
-        part = restrict(optimizer_state, names) if whole_model else optimizer_state
+        names = {n for n, _ in module.named_parameters()} - set(skipped)
+        part = restrict(optimizer_state, names) if whole_model or skipped else optimizer_state
         set_optimizer_state_dict(module, optimizer, part, options=options)
     return skipped
