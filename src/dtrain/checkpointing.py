@@ -43,6 +43,8 @@ class Checkpoints:
     def __init__(self, strategy: Strategy, position: Position) -> None:
         self.strategy = strategy
         self.position = position
+        self.last_path: Path | None = None
+        """The newest checkpoint this process saw complete."""
         self.optimizer: Optimizer | None = None
         """The optimizer the loop steps (set by `engine.setup`)."""
         self._sharded = ShardedWriter(strategy)
@@ -100,6 +102,7 @@ class Checkpoints:
 
         def committed() -> None:
             LOGGER.info("saved checkpoint %s at step %d", path, position["step"])
+            self.last_path = path
             if keep is not None:
                 checkpoint.prune(path.parent, keep)
 

@@ -55,6 +55,7 @@ class Engine:
         self.throughput = Throughput()
         self._closed = False
         self._warned_unsharded = False
+        self._told_batch = False
         close_at_exit(self)
         self._watch = LossWatch(config.log_every)
         self._stepping = False
@@ -138,12 +139,20 @@ class Engine:
         self.checkpoints.optimizer = optimizer
         if optimizer is not None:
             optimizer.register_step_post_hook(self._count_step)
-        LOGGER.info(
-            "setup strategy=%s world_size=%d device=%s",
-            self.strategy.name,
-            self.world_size,
-            self.device,
+        layout = self.strategy.layout_text
+        lrs = sorted({g["lr"] for g in optimizer.param_groups}) if optimizer else []
+        banner = (
+            f"dtrain: strategy {self.strategy.name}, {self.world_size} process(es)"
+            + (f" ({layout})" if layout else "")
+            + f", device {self.device.type}"
+            + (
+                f", {type(optimizer).__name__} lr {', '.join(f'{lr:g}' for lr in lrs)}"
+                if lrs
+                else ""
+            )
         )
+        LOGGER.info(banner)
+        self.print(banner)
         return self.model, optimizer
 
     def _count_step(self, *_: Any) -> None:
@@ -200,6 +209,14 @@ class Engine:
             seed=self.config.seed,
             drop_last=drop_last,
         )
+        if not drop_last or self._told_batch:
+            pass  # evaluation loaders, and training loaders after the first, go unannounced
+        else:
+            self._told_batch = True
+            self.print(
+                f"dtrain: global batch {batch_size * self.dp_size} ({batch_size} per "
+                f"data-parallel worker x {self.dp_size})."
+            )
         loader_kwargs.setdefault("pin_memory", self.device.type == "cuda")
         return DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
 
@@ -459,6 +476,16 @@ class Engine:
         self._closed = True
         forget(self)
         self.checkpoints.finish()
+        if self.step:
+            self.print(
+                f"dtrain: {self.step} steps, {self.throughput.samples_per_second:,.0f} samples/s"
+                + (
+                    f", last checkpoint {self.checkpoints.last_path}"
+                    if self.checkpoints.last_path
+                    else ""
+                )
+                + "."
+            )
         wrapped = weakref.ref(self.model) if self.model is not None else None
         self.model = None
         self.strategy.close()

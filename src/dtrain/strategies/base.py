@@ -130,6 +130,12 @@ class Strategy:
         return None
 
     @property
+    def layout_text(self) -> str | None:
+        """How the processes split the work (``dp2 x pp1 x tp1``), where it says more than
+        the strategy's name."""
+        return None
+
+    @property
     def lockstep(self) -> bool:
         """True if every training process takes each step together (synchronous training),
         so reads of per-step values can be collective over `train_group`."""

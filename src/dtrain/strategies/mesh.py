@@ -102,6 +102,10 @@ class MeshStrategy(Strategy):
         return self.shard is not None or (d.dp_enabled and (d.pp_enabled or d.tp_enabled))
 
     @property
+    def layout_text(self) -> str | None:
+        return self.degrees.describe()
+
+    @property
     def dp_size(self) -> int:
         return self.degrees.dp
 
