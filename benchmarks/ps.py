@@ -11,7 +11,8 @@ configurations alternating, `--repeats` times; medians and ratios are printed.
    workers train alone (no communication, no server, so nobody waits).
 3. bandwidth: one worker and one server, one parameter of `--mbytes` MB with its
    gradient set by hand; a push + commit (the server's SGD step) + pull, against a plain
-   gloo send + recv of the same bytes each way between the same two processes.
+   gloo send + recv of the same bytes each way between the same two processes, the two
+   alternating step by step; the medians of each run, `--repeats` runs.
 
     python benchmarks/ps.py --repeats 3 --steps 150
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ddp_overhead import make_data
-from harness import launch
+from harness import alternate, launch
 from torch import nn
 
 import dtrain
@@ -113,6 +115,10 @@ def alone_job(args: argparse.Namespace, slow_rank: int) -> Any:
     return rank, args.steps, seconds, per_worker
 
 
+PLAIN_TAG = 99
+"""The plain exchanges' tag, apart from the parameter-server protocol's."""
+
+
 class Wide(nn.Module):
     """One weight of `numel` elements and next to no compute: a pure communication load."""
 
@@ -126,30 +132,30 @@ class Wide(nn.Module):
 
 
 def bandwidth_job(args: argparse.Namespace) -> Any:
-    """Seconds per plain send+recv exchange, then per ps push+pull step, of the same bytes."""
+    """Seconds per plain send+recv exchange and per ps push+pull step of the same bytes,
+    alternating step by step between the same two processes, so that the machine's load
+    weighs on both alike: the server rank runs its serving loop in a thread while its main
+    thread answers the plain exchanges (on a tag of their own)."""
     torch.set_num_threads(1)
     numel = int(args.mbytes * (1 << 20)) // 4
     options = {"strategy": "ps", "nproc": 1, "servers": 1}
-    serve = role(options)
-    if serve is None:
-        engine = dtrain.init(seed=0, **options)
-    else:  # the server joins the same group for the plain exchanges, then serves
-        config = Config(**options)
-        init_process_group(serving.topology(config, server=True), config.timeout_s)
-    rank = dist.get_rank()
+    config = Config(**options)
     buffer = torch.zeros(numel)
-    plain = []
-    for _ in range(args.warmup + args.bw_steps):
-        began = time.perf_counter()
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        else:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
-        plain.append(time.perf_counter() - began)
-    if serve is not None:
-        return serve()
+    steps = args.warmup + args.bw_steps
+    if role(options) is not None:
+        init_process_group(serving.topology(config, server=True), config.timeout_s)
+        failure: list[BaseException] = []
+        server = threading.Thread(target=serve_catching, args=(config, failure))
+        server.start()
+        for _ in range(steps):
+            dist.recv(buffer, 0, tag=PLAIN_TAG)
+            dist.send(buffer, 0, tag=PLAIN_TAG)
+        server.join()
+        dist.destroy_process_group()
+        if failure:
+            raise failure[0]
+        return None
+    engine = dtrain.init(seed=0, **options)
     model = Wide(numel)
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
     # The gradient is set by hand, so only the messages and the server's update are timed:
@@ -157,17 +163,31 @@ def bandwidth_job(args: argparse.Namespace) -> Any:
     (weight,) = model.parameters()
     weight.grad = torch.ones_like(weight)
     client = engine.strategy.client
-    ps = []
-    for _ in range(args.warmup + args.bw_steps):
+
+    def plain() -> float:
+        began = time.perf_counter()
+        dist.send(buffer, 1, tag=PLAIN_TAG)
+        dist.recv(buffer, 1, tag=PLAIN_TAG)
+        return time.perf_counter() - began
+
+    def ps() -> float:
         began = time.perf_counter()
         client.push(0)
         optimizer.step()
         client.wait_pulls()
-        ps.append(time.perf_counter() - began)
-    del model, optimizer
+        return time.perf_counter() - began
+
+    times = alternate(steps, plain, ps)[args.warmup :]
     engine.close()
-    n = args.warmup
-    return statistics.median(plain[n:]), statistics.median(ps[n:]), numel * 4
+    return statistics.median(a for a, _ in times), statistics.median(b for _, b in times), numel * 4
+
+
+def serve_catching(config: Config, failure: list[BaseException]) -> None:
+    """`serving.serve_job` in a thread, keeping its exception for the main thread."""
+    try:
+        serving.serve_job(config)
+    except BaseException as e:  # noqa: BLE001 - re-raised by the main thread
+        failure.append(e)
 
 
 def job_samples_per_second(results: list[Any]) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dtrain.strategies.ps import protocol
-from dtrain.strategies.ps.protocol import HEADER, PAYLOAD, REPLY, Op
+from dtrain.strategies.ps.protocol import HEADER, PAYLOAD, PUSH_TAGS, REPLY, Op
 from dtrain.strategies.ps.sharding import Plan
 from dtrain.strategies.ps.storage import FlatParameters
 
@@ -32,6 +32,7 @@ class Client:
     Args:
         plan: where every bucket lives.
         store: the served parameters, in optimizer order, as views of one flat buffer.
+        channel: the run's messages.
         rank: this worker's global rank (in [0, W)).
         workers: W; server s has global rank W + s.
         groups: number of optimizer param groups (lr values per commit).
@@ -42,6 +43,7 @@ class Client:
         self,
         plan: Plan,
         store: FlatParameters,
+        channel: protocol.Channel,
         rank: int,
         workers: int,
         groups: int,
@@ -49,6 +51,7 @@ class Client:
     ) -> None:
         self.plan = plan
         self.store = store
+        self.channel = channel
         self.params = store.params
         self.rank = rank
         self.servers = [workers + s for s in range(len(plan.shards))]
@@ -98,8 +101,8 @@ class Client:
                 payload = self.staging[bucket.start : bucket.start + bucket.numel]
             self.missing[server][b] -= 1
             if self.missing[server][b] == 0:
-                self._request(server, Op.PUSH, b)
-                self.sends.append((protocol.send(payload, self.servers[server], PAYLOAD), payload))
+                work = self.channel.send(payload, self.servers[server], PUSH_TAGS + b)
+                self.sends.append((work, payload))
         self.pushed.add(index)
 
     def commit(self, lrs: list[float]) -> None:
@@ -120,10 +123,10 @@ class Client:
         # A reply is the version, then each bucket in order (gloo keeps the order of one
         # sender's messages on one tag); one pull per server is in flight at a time.
         server = self.servers[s]
-        works = [protocol.recv(self.versions_in[s], server, REPLY)]
+        works = [self.channel.recv(self.versions_in[s], server, REPLY)]
         for bucket in self.plan.shards[s].buckets:
             landing = self.store.landing(bucket.start, bucket.numel)
-            works.append(protocol.recv(landing, server, REPLY))
+            works.append(self.channel.recv(landing, server, REPLY))
         self.pulls.append((s, works))
 
     def wait_pulls(self) -> None:
@@ -168,7 +171,7 @@ class Client:
         self.wait_pulls()
         data = protocol.to_bytes(payload)
         self._request(s, Op.SET_STATE, data.numel())
-        self.sends.append((protocol.send(data, self.servers[s], PAYLOAD), data))
+        self.sends.append((self.channel.send(data, self.servers[s], PAYLOAD), data))
         self._drain_sends()
         self._wait_reply(torch.empty(1), s)
 
@@ -210,7 +213,7 @@ class Client:
         self, s: int, op: Op, a: float = 0, b: float = 0, lrs: list[float] | None = None
     ) -> None:
         head = protocol.header(op, self.rank, a, b, lrs, self.groups)
-        self.sends.append((protocol.send(head, self.servers[s], HEADER), head))
+        self.sends.append((self.channel.send(head, self.servers[s], HEADER), head))
 
     def _drain_sends(self) -> None:
         sends, self.sends = self.sends, []
@@ -218,5 +221,5 @@ class Client:
             protocol.wait(work, self.timeout_s, f"Worker {self.rank} sending to a server")
 
     def _wait_reply(self, tensor: torch.Tensor, s: int) -> None:
-        work = protocol.recv(tensor, self.servers[s], REPLY)
+        work = self.channel.recv(tensor, self.servers[s], REPLY)
         protocol.wait(work, self.timeout_s, f"Worker {self.rank} waiting for server {s}")

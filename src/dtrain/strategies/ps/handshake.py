@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError
 from dtrain.strategies.ps import sharding
+from dtrain.strategies.ps.protocol import Channel
 from dtrain.strategies.rebuild import hyperparameters
 
 
@@ -68,20 +69,33 @@ class Description:
         return self.sizes, self.groups, self.dtype, self.optimizer
 
 
-def handshake(
-    mine: Description | None, values: torch.Tensor | None, workers: int
-) -> tuple[Description, torch.Tensor, dist.ProcessGroup]:
-    """The start of a ps job: worker 0's description and initial parameter values reach
-    every rank, then every rank takes part in creating the workers' group.
+@dataclass(frozen=True)
+class Start:
+    """What every rank has after the handshake.
+
+    Attributes:
+        description: worker 0's description.
+        values: the initial values of the served parameters (flat, workers' layout).
+        workers: the process group of the workers (ranks 0..W-1).
+        channel: the run's own group of every rank, for the ps messages.
+    """
+
+    description: Description
+    values: torch.Tensor
+    workers: dist.ProcessGroup
+    channel: Channel
+
+
+def handshake(mine: Description | None, values: torch.Tensor | None, workers: int) -> Start:
+    """The start of a training run under ps: worker 0's description and initial parameter
+    values reach every rank, then every rank takes part in creating the workers' group and
+    the run's group of every rank.
 
     Args:
         mine: this worker's description (None on a server).
         values: this worker's parameters as one flat CPU tensor, overwritten with worker
             0's (None on a server, which gets a new tensor).
         workers: W; ranks 0..W-1 are the workers.
-
-    Returns:
-        (worker 0's description, the initial values, the workers' process group).
 
     Raises:
         ConfigError: this worker's parameters or optimizer differ from worker 0's.
@@ -98,4 +112,6 @@ def handshake(
     if values is None:
         values = torch.empty(description.numel, dtype=description.dtype)
     dist.broadcast(values, src=0)
-    return description, values, dist.new_group(list(range(workers)))
+    workers_group = dist.new_group(list(range(workers)))
+    everyone = dist.new_group(list(range(dist.get_world_size())))
+    return Start(description, values, workers_group, Channel(everyone))

@@ -7,9 +7,14 @@ servers the last K ranks, W..W+K-1. Every request starts with a fixed-size float
 from that sender on tag PAYLOAD. Replies go back on tag REPLY. Per (sender, tag) pair
 gloo delivers in order, so a worker's payloads always follow their headers.
 
+Pushed gradients need no header: they travel on a tag of their own per bucket (PUSH_TAGS
++ bucket index), and a server posts the receives of all a worker's next buckets when it
+answers that worker's pull (and at start), so the buckets stream in while backward
+completes them, in any order, straight into posted receives; the COMMIT that follows
+them finds them in.
+
     header = [op, sender, a, b, lr of param group 0, ..., lr of group G-1]
 
-    PUSH      a = bucket index on the server        payload: the bucket's gradients
     COMMIT    a = version the gradients were computed on; the pull of the next
               parameters, answered when the mode allows    reply: version, buckets
     PULL      the latest parameters now                    reply: version, buckets
@@ -28,6 +33,7 @@ receives it straight into its parameter buffer.
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
 from typing import Any
@@ -37,7 +43,7 @@ import torch.distributed as dist
 
 from dtrain.errors import DtrainError
 
-HEADER, PAYLOAD, REPLY = 0, 1, 2
+HEADER, PAYLOAD, REPLY, PUSH_TAGS = 0, 1, 2, 16
 FIXED_FIELDS = 4
 STATS = (
     "updates",  # optimizer steps applied
@@ -56,7 +62,6 @@ STATS = (
 class Op(IntEnum):
     """Request kinds a worker sends a server."""
 
-    PUSH = 1
     COMMIT = 2
     PULL = 3
     GET_STATE = 4
@@ -92,18 +97,25 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
         ) from None
 
 
-def send(tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
-    """Start sending `tensor` (CPU, contiguous) to global rank `dst`."""
-    work = dist.isend(tensor, dst, tag=tag)
-    assert work is not None
-    return work
+@dataclass(frozen=True)
+class Channel:
+    """The messages of one training run, over a process group of every rank of the job
+    made for that run: receives a run leaves posted when it ends (a server always has the
+    next pushes' posted) can never take a later run's messages."""
 
+    group: dist.ProcessGroup
 
-def recv(tensor: torch.Tensor, src: int | None, tag: int) -> dist.Work:
-    """Start receiving into `tensor` from global rank `src` (None: any rank)."""
-    work = dist.irecv(tensor, src, tag=tag)
-    assert work is not None
-    return work
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        """Start sending `tensor` (CPU, contiguous) to global rank `dst`."""
+        work = dist.isend(tensor, dst, group=self.group, tag=tag)
+        assert work is not None
+        return work
+
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> dist.Work:
+        """Start receiving into `tensor` from global rank `src` (None: any rank)."""
+        work = dist.irecv(tensor, src, group=self.group, tag=tag)
+        assert work is not None
+        return work
 
 
 def to_bytes(obj: Any) -> torch.Tensor:

@@ -13,9 +13,9 @@ One loop receives requests from any worker (see protocol.py) and applies the mod
   ahead of the slowest unfinished worker (Stale Synchronous Parallel, Ho et al., NIPS 2013).
 
 The server keeps its buckets back to back in one flat buffer; the optimizer's parameters
-(one per key) are views of it, so an update changes the buffer that replies send. An
-update runs bucket by bucket, each bucket with an optimizer of its own, and each bucket
-goes out to the workers whose pull the update releases as soon as it is updated, while
+(one per key, shard_optimizer.py) are views of it, so an update changes the buffer that
+replies send. An update runs bucket by bucket, and each bucket goes out to the workers
+whose pull the update releases as soon as it is updated, from the outbox's thread, while
 the next bucket is updated (as BytePS pipelines its summation and replies).
 """
 
@@ -24,45 +24,34 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from dtrain.config import Config
 from dtrain.observe.logs import LOGGER
 from dtrain.strategies.ps import protocol
-from dtrain.strategies.ps.handshake import Description
-from dtrain.strategies.ps.optimizer import BY_NAME
-from dtrain.strategies.ps.protocol import HEADER, PAYLOAD, REPLY, Op
+from dtrain.strategies.ps.handshake import Start
+from dtrain.strategies.ps.outbox import Outbox
+from dtrain.strategies.ps.protocol import HEADER, PAYLOAD, PUSH_TAGS, Op
+from dtrain.strategies.ps.shard_optimizer import ShardOptimizer
 from dtrain.strategies.ps.sharding import ServerShard
-from dtrain.strategies.rebuild import restate
-
-Sends = list[tuple[protocol.dist.Work, torch.Tensor]]
 
 
 class Server:
     """Serve one shard until every worker has finished.
 
     Args:
-        index: this server's index in [0, K); its global rank is `workers + index`.
+        index: this server's index in [0, K); its global rank is W + index.
         shard: the buckets and keys it holds.
-        values: every served parameter, flat in the workers' layout (initial values).
-        description: the optimizer to rebuild over the shard (worker 0's).
-        workers: number of workers W (global ranks 0..W-1).
-        config: mode, staleness, backup workers, timeout.
+        start: the handshake's result: the optimizer to rebuild over the shard (worker
+            0's description), the initial values, the run's channel.
+        config: workers W (--nproc), mode, staleness, backup workers, timeout.
     """
 
-    def __init__(
-        self,
-        index: int,
-        shard: ServerShard,
-        values: torch.Tensor,
-        description: Description,
-        workers: int,
-        config: Config,
-    ) -> None:
+    def __init__(self, index: int, shard: ServerShard, start: Start, config: Config) -> None:
+        description, values = start.description, start.values
         self.index = index
-        self.keys = shard.keys
         self.buckets = shard.buckets
-        self.workers = workers
+        self.workers = workers = config.nproc
+        self.channel = start.channel
         self.config = config
         self.mode = config.ps_mode
         self.staleness_bound = 2 if config.staleness is None else config.staleness
@@ -71,26 +60,11 @@ class Server:
             self.flat[bucket.offset : bucket.offset + bucket.numel].copy_(
                 values[bucket.start : bucket.start + bucket.numel]
             )
-        self.params = [
-            nn.Parameter(self.flat[key.offset : key.offset + key.numel]) for key in self.keys
-        ]
-        groups = len(description.settings)
-        optimizer_class = BY_NAME[description.optimizer]
-        self.optimizers = [
-            restate(
-                optimizer_class,
-                description.settings,
-                [
-                    [self.params[k] for k in bucket.keys if self.keys[k].group == g]
-                    for g in range(groups)
-                ],
-                description.defaults,
-            )
-            for bucket in self.buckets
-        ]
-        self.bucket_of_key = [b for b, bucket in enumerate(self.buckets) for _ in bucket.keys]
-        self.groups = groups
+        self.optimizer = ShardOptimizer(shard, self.flat, description)
+        self.groups = len(description.settings)
         self.received = [torch.zeros_like(self.flat) for _ in range(workers)]
+        self.pushes: dict[int, list[protocol.dist.Work]] = {}
+        """The posted receives of each worker's next buckets (see _post_pushes)."""
         self.round_sum = torch.zeros_like(self.flat)
         self.members: list[int] = []
         """Sync: the workers whose gradient is in the open round, in arrival order."""
@@ -103,42 +77,53 @@ class Server:
         """Workers between steps (evaluating, saving): no gradient will come from them."""
         self.waiting: dict[int, int] = {}
         """Gated pulls not yet answered: worker -> the version it needs (sync)."""
-        self.bucket_sends: list[Sends] = [[] for _ in self.buckets]
-        """Replies reading each bucket of `flat`: an update of the bucket waits for them."""
-        self.other_sends: Sends = []
+        self.outbox = Outbox(self.channel, index, config.timeout_s)
+        self.bucket_sent = [0] * len(self.buckets)
+        """The outbox ticket of the last reply reading each bucket of `flat` in place: an
+        update of the bucket waits for it."""
         self.versions_out = [torch.zeros(1, dtype=torch.int64) for _ in range(workers)]
-        self.version_sends: list[Sends] = [[] for _ in range(workers)]
-        """The reply of each worker's version tensor (at most one in flight)."""
+        self.version_sent = [0] * workers
+        """The ticket of each worker's version tensor, reused once it has gone."""
         self.stats = dict.fromkeys(protocol.STATS, 0)
 
     # -- the loop --------------------------------------------------------------------------
     def serve(self) -> None:
         """Answer requests until every worker sent FINISH."""
+        try:
+            self._loop()
+        except BaseException:
+            self.outbox.abandon()
+            raise
+        self.outbox.close()
+        LOGGER.info("server %d done: %s", self.index, self.stats)
+
+    def _loop(self) -> None:
         head = torch.empty(protocol.FIXED_FIELDS + self.groups, dtype=torch.float64)
+        for worker in range(self.workers):
+            self._post_pushes(worker)
         while len(self.finished) < self.workers:
-            work = protocol.recv(head, None, HEADER)
+            work = self.channel.recv(head, None, HEADER)
             protocol.wait(work, self.config.timeout_s, f"Server {self.index} waiting for workers")
             op, sender, a = Op(int(head[0])), int(head[1]), head[2].item()
-            if op is Op.PUSH:
-                bucket = self.buckets[int(a)]
-                target = self.received[sender][bucket.offset : bucket.offset + bucket.numel]
-                self._recv(target, sender)
-            elif op is Op.COMMIT:
+            if op is Op.COMMIT:
+                what = f"Server {self.index} receiving gradients from worker {sender}"
+                for work in self.pushes.pop(sender):
+                    protocol.wait(work, self.config.timeout_s, what)
                 self.waiting[sender] = int(a) + 1
                 self._commit(sender, int(a), head[protocol.FIXED_FIELDS :].tolist())
             elif op is Op.PULL:
                 self._reply_params(sender)
             elif op is Op.GET_STATE:
-                self._send_bytes(sender, self._state())
+                self._send_bytes(sender, self.optimizer.state())
             elif op is Op.SET_STATE:
                 data = torch.empty(int(a), dtype=torch.uint8)
                 self._recv(data, sender)
                 self._set_state(protocol.from_bytes(data))
-                self._send_other(torch.ones(1), sender)
+                self.outbox.send(torch.ones(1), sender)
             elif op is Op.STATS:
                 self.stats["pending"] = len(self.members)
                 counters = [float(self.stats[name]) for name in protocol.STATS]
-                self._send_other(torch.tensor(counters, dtype=torch.float64), sender)
+                self.outbox.send(torch.tensor(counters, dtype=torch.float64), sender)
             elif op is Op.RESUME:
                 self.paused.discard(sender)
             elif op in (Op.FINISH, Op.PAUSE):
@@ -146,8 +131,6 @@ class Server:
                 self._maybe_close_round()
             for worker in self._take_ready():
                 self._reply_params(worker)
-        self._finish_sends()
-        LOGGER.info("server %d done: %s", self.index, self.stats)
 
     # -- updates ---------------------------------------------------------------------------
     def _commit(self, worker: int, version: int, lrs: list[float]) -> None:
@@ -156,7 +139,7 @@ class Server:
             if version < self.version:
                 self.stats["dropped"] += 1
                 return
-            self._set_lrs(lrs, 1.0)
+            self.optimizer.set_lrs(lrs, 1.0)
             self.members.append(worker)
             self._maybe_close_round()
             return
@@ -170,14 +153,9 @@ class Server:
         scale = 1.0 / self.workers
         if self.config.staleness_lr:
             scale /= max(1, staleness)
-        self._set_lrs(lrs, scale)
+        self.optimizer.set_lrs(lrs, scale)
         received = self.received[worker]
         self._apply(lambda b: self._slice(received, b), used=1)
-
-    def _set_lrs(self, lrs: list[float], scale: float) -> None:
-        for optimizer in self.optimizers:
-            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr * scale
 
     def _maybe_close_round(self) -> None:
         """Sync: apply the round's mean once W - B gradients are in."""
@@ -248,16 +226,9 @@ class Server:
         recipients = self._take_ready()
         for worker in recipients:
             self._send_version(worker)
-        for b, bucket in enumerate(self.buckets):
-            self._wait(self.bucket_sends[b])  # replies read the bucket in place
-            grad = gradient(b)
-            for k in bucket.keys:
-                key = self.keys[k]
-                at = key.offset - bucket.offset
-                self.params[k].grad = grad[at : at + key.numel]
-            self.optimizers[b].step()
-            for k in bucket.keys:
-                self.params[k].grad = None
+        for b in range(len(self.buckets)):
+            self.outbox.wait(self.bucket_sent[b])  # replies read the bucket in place
+            self.optimizer.step(b, gradient(b))
             for worker in recipients:
                 self._send_bucket(b, worker)
 
@@ -272,11 +243,13 @@ class Server:
         return self.clocks[worker] - slowest <= self.staleness_bound
 
     def _take_ready(self) -> list[int]:
-        """The workers whose gated pull can be answered now (no longer waiting)."""
+        """The workers whose gated pull can be answered now (no longer waiting); the
+        receives of their next pushes are posted."""
         ready = [w for w, needed in self.waiting.items() if self._ready(w, needed)]
         active = [c for w, c in enumerate(self.clocks) if w not in self.finished]
         for worker in ready:
             del self.waiting[worker]
+            self._post_pushes(worker)
             # The worker starts step clocks[worker] (0-based) while the slowest unfinished
             # one works on step min(clocks): their distance is the step gap.
             gap = self.clocks[worker] - min(active, default=self.clocks[worker])
@@ -289,59 +262,42 @@ class Server:
             self._send_bucket(b, worker)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def _state(self) -> dict[int, dict[str, object]]:
-        """Optimizer state of each key, by key index (tensors 1-D over the key)."""
-        result = {}
-        for i, param in enumerate(self.params):
-            state = self.optimizers[self.bucket_of_key[i]].state
-            if param in state:
-                result[i] = dict(state[param])
-        return result
-
     @torch.no_grad()
     def _set_state(self, data: dict[str, object]) -> None:
-        self._finish_sends()
+        self.outbox.wait(self.outbox.queued)  # replies read `flat` in place
         self.flat.copy_(data["params"])  # type: ignore[arg-type]
-        states: dict[int, dict[str, object]] | None = data["state"]  # type: ignore[assignment]
-        if states is None:  # the parameters alone were loaded: keep the optimizer state
-            return
-        for i, param in enumerate(self.params):
-            state = self.optimizers[self.bucket_of_key[i]].state
-            if i in states:
-                state[param] = dict(states[i])
-            else:
-                state.pop(param, None)
+        if data["state"] is not None:  # None: the parameters alone were loaded
+            self.optimizer.load_state(data["state"])  # type: ignore[arg-type]
 
     # -- transport -------------------------------------------------------------------------
+    def _post_pushes(self, worker: int) -> None:
+        """Post the receives of `worker`'s next buckets into its receive buffer.
+
+        Done when its pull is answered: the worker pushes again only once it has every
+        bucket of that reply, and each goes out after its update has read the buffer. So
+        the pushes land in posted receives, and gloo writes them straight into place.
+        """
+        received = self.received[worker]
+        self.pushes[worker] = [
+            self.channel.recv(self._slice(received, b), worker, PUSH_TAGS + b)
+            for b in range(len(self.buckets))
+        ]
+
     def _recv(self, tensor: torch.Tensor, worker: int) -> None:
         what = f"Server {self.index} receiving from worker {worker}"
-        protocol.wait(protocol.recv(tensor, worker, PAYLOAD), self.config.timeout_s, what)
-
-    def _wait(self, sends: Sends) -> None:
-        for work, _ in sends:
-            protocol.wait(work, self.config.timeout_s, f"Server {self.index} sending a reply")
-        sends.clear()
-
-    def _finish_sends(self) -> None:
-        for sends in [*self.bucket_sends, *self.version_sends, self.other_sends]:
-            self._wait(sends)
+        protocol.wait(self.channel.recv(tensor, worker, PAYLOAD), self.config.timeout_s, what)
 
     def _send_version(self, worker: int) -> None:
         # One version tensor per worker, reused: its previous reply has gone by now (the
         # worker received it before asking again), so this wait returns at once.
-        self._wait(self.version_sends[worker])
+        self.outbox.wait(self.version_sent[worker])
         tensor = self.versions_out[worker].fill_(self.version)
-        self.version_sends[worker].append((protocol.send(tensor, worker, REPLY), tensor))
+        self.version_sent[worker] = self.outbox.send(tensor, worker)
 
     def _send_bucket(self, b: int, worker: int) -> None:
-        view = self._slice(self.flat, b)
-        self.bucket_sends[b].append((protocol.send(view, worker, REPLY), view))
-
-    def _send_other(self, tensor: torch.Tensor, worker: int) -> None:
-        self.other_sends = [(w, t) for w, t in self.other_sends if not w.is_completed()]
-        self.other_sends.append((protocol.send(tensor, worker, REPLY), tensor))
+        self.bucket_sent[b] = self.outbox.send(self._slice(self.flat, b), worker)
 
     def _send_bytes(self, worker: int, obj: object) -> None:
         data = protocol.to_bytes(obj)
-        self._send_other(torch.tensor([data.numel()], dtype=torch.int64), worker)
-        self._send_other(data, worker)
+        self.outbox.send(torch.tensor([data.numel()], dtype=torch.int64), worker)
+        self.outbox.send(data, worker)

@@ -47,9 +47,9 @@ def serve_job(config: Config) -> None:
     """Serve one training run on the joined process group: receive the model's
     description and initial values from worker 0's `engine.setup`, then answer the
     workers until every one has finished."""
-    description, values, _ = handshake(None, None, config.nproc)
+    start = handshake(None, None, config.nproc)
     index = dist.get_rank() - config.nproc
-    shard = description.plan(config.servers).shards[index]
-    server = Server(index, shard, values, description, config.nproc, config)
-    del values  # the server copied its shard
+    shard = start.description.plan(config.servers).shards[index]
+    server = Server(index, shard, start, config)
+    del start  # the server copied its shard of the values
     server.serve()

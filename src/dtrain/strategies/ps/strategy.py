@@ -120,16 +120,16 @@ class ParameterServer(Strategy):
         model = model.to(self.topology.device)
         params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         store = FlatParameters(params)
-        description, values, self._workers_group = handshake(
-            Description.of(optimizer), store.host(), self.workers
-        )
-        store.assign(values)
+        start = handshake(Description.of(optimizer), store.host(), self.workers)
+        store.assign(start.values)
+        self._workers_group = start.workers
         self._broadcast_rest(model, params)
-        self.plan = description.plan(self.config.servers)
+        self.plan = start.description.plan(self.config.servers)
         self.model = model
         self.client = Client(
             self.plan,
             store,
+            start.channel,
             self.topology.rank,
             self.workers,
             len(optimizer.param_groups),
