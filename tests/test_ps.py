@@ -174,3 +174,10 @@ def test_a_killed_worker_stops_the_job_with_its_role_named(tmp_path: Path) -> No
     assert "killed by signal SIGKILL" in proc.stderr
     assert time.monotonic() - start < 60
     assert sorted(p.name for p in tmp_path.glob("ran-*")) == ["ran-0", "ran-1"]
+
+
+@pytest.mark.timeout(120)
+def test_a_scheduler_built_before_setup_drives_the_servers() -> None:
+    run = {"model_name": "gpt", "steps": 3, "optimizer_name": "adam", "scheduler": True}
+    expected = train(strategy="single", **run)
+    assert_close(run_ps(2, 1, **run)[0], expected)

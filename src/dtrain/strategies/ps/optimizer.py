@@ -61,7 +61,7 @@ class WorkerOptimizer(Optimizer):
     """The optimizer a worker steps: commit the gradients to the servers, then pull.
 
     Args:
-        template: the user's optimizer (its groups and settings are copied).
+        template: the user's optimizer (its param groups are shared).
         commit: called by `step` with the learning rate of every param group.
         fetch_state: returns the servers' optimizer state, keyed by parameter position.
     """
@@ -74,6 +74,9 @@ class WorkerOptimizer(Optimizer):
     ) -> None:
         groups = [{**group} for group in template.param_groups]
         super().__init__(groups, template.defaults)
+        # The user's own group dicts (same parameters): a learning-rate scheduler built on
+        # the user's optimizer before engine.setup sets the rates this one commits.
+        self.param_groups = template.param_groups
         self._commit = commit
         self._fetch_state = fetch_state
         self.loaded_state: dict[int, dict[str, Any]] | None = None
