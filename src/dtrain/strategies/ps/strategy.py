@@ -104,6 +104,14 @@ class ParameterServer(Strategy):
     def dp_group(self) -> dist.ProcessGroup | None:
         return self._workers_group
 
+    @property
+    def lockstep(self) -> bool:
+        """Only sync rounds without backup workers hold every worker to the same step. In
+        async and ssp, and with backup workers, a worker may run ahead of a slower one: a
+        collective read of a per-step value (the Engine's loss) would make it wait for the
+        slowest, undoing what those modes are for."""
+        return self.config.ps_mode == "sync" and self.config.backup_workers == 0
+
     # -- setup ---------------------------------------------------------------------------
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
