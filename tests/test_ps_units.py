@@ -16,6 +16,7 @@ from dtrain.models import MODELS, build
 from dtrain.strategies.ps import ParameterServer, protocol, sharding, state
 from dtrain.strategies.ps.optimizer import check_optimizer
 from dtrain.strategies.ps.storage import FlatParameters
+from dtrain.topology import Topology
 
 
 def plan_for(model: torch.nn.Module, servers: int) -> sharding.Plan:
@@ -147,6 +148,24 @@ def test_a_server_rank_running_the_script_is_told_how_to_launch(
         ConfigError, match=r"Rank 2 is a parameter server.*dtrain run --strategy ps"
     ):
         dtrain.init(strategy="ps", nproc=2, servers=1)
+
+
+@pytest.mark.parametrize(
+    ("options", "lockstep"),
+    [
+        ({}, True),
+        ({"ps_mode": "async"}, False),
+        ({"ps_mode": "ssp"}, False),
+        ({"nproc": 3, "backup_workers": 1}, False),
+    ],
+)
+def test_only_sync_rounds_without_backups_read_losses_collectively(
+    options: dict[str, object], lockstep: bool
+) -> None:
+    """A collective loss read would hold a fast async worker to the slowest one's pace."""
+    config = Config(strategy="ps", **{"nproc": 2, "servers": 1, **options})  # type: ignore[arg-type]
+    where = Topology(0, config.nproc + 1, 0, config.nproc + 1, torch.device("cpu"), "gloo")
+    assert ParameterServer(config, where).lockstep is lockstep
 
 
 def test_workers_run_the_script_and_servers_their_role() -> None:

@@ -106,10 +106,11 @@ class ParameterServer(Strategy):
 
     @property
     def lockstep(self) -> bool:
-        """False: workers meet only through the servers. A collective among them at the
-        loss reads could wait on a worker whose round the servers are still filling
-        (backup workers, async, ssp); each worker checks its own loss."""
-        return False
+        """Only sync rounds without backup workers hold every worker to the same step. In
+        async and ssp, and with backup workers, a worker may run ahead of a slower one: a
+        collective read of a per-step value (the Engine's loss) would make it wait for the
+        slowest, undoing what those modes are for."""
+        return self.config.ps_mode == "sync" and self.config.backup_workers == 0
 
     # -- setup ---------------------------------------------------------------------------
     def setup(
