@@ -20,7 +20,7 @@ import os
 import torch.distributed as dist
 import dtrain
 engine = dtrain.init()
-print("strategy", engine.strategy.name, "world", engine.world_size, flush=True)
+print(f"strategy {engine.strategy.name} world {engine.world_size}", flush=True)
 engine.close()
 """
 
@@ -28,7 +28,7 @@ PLAIN_TORCH = """
 import os
 import torch.distributed as dist
 dist.init_process_group("gloo")
-print("rank", dist.get_rank(), "of", dist.get_world_size(), os.environ["MASTER_ADDR"], flush=True)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} {os.environ['MASTER_ADDR']}", flush=True)
 dist.destroy_process_group()
 """
 

@@ -19,7 +19,7 @@ import time
 import dtrain
 engine = dtrain.init()
 engine.barrier()
-print("ready", engine.rank, flush=True)
+print(f"ready {engine.rank}", flush=True)
 time.sleep(120)
 """
 
@@ -43,7 +43,7 @@ def start_waiting_job(tmp_path: Path, name: str) -> subprocess.Popen[str]:
     while ready < 2:
         line = proc.stdout.readline()
         assert line, "the job ended before both ranks were ready"
-        ready += line.startswith("ready")
+        ready += line.count("ready")  # two ranks' unbuffered prints may share a line
     return proc
 
 
