@@ -1,6 +1,7 @@
 """Sync ps equals single-process training with every kind of optimizer the servers rebuild
 from worker 0's description: SGD with momentum, Nesterov and weight decay, Adam, AdamW
-(whose param groups carry a setting its constructor does not take) and RMSprop, and
+(whose param groups carry a setting its constructor does not take), RMSprop, Adagrad and
+Adamax, and
 param groups with settings of their own over 2 servers. One spawn runs several
 optimizers one after the other, the servers serving one run after another."""
 
@@ -42,6 +43,8 @@ OPTIMIZERS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
     "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5),
+    "adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=1e-2),
+    "adamax": lambda m: torch.optim.Adamax(m.parameters(), lr=2e-3),
     "adamw-groups": lambda m: torch.optim.AdamW(_groups(m), lr=1e-2, weight_decay=0.1),
 }
 
@@ -67,10 +70,13 @@ def train_with(name: str, close: bool = True, **options: Any) -> dict[str, torch
     return params
 
 
-def ps_runs(names: list[str], workers: int, servers: int) -> Any:
-    """One rank of a ps job training with each optimizer of `names` in turn: a worker
-    returns its parameters per run, a server serves every run and returns SERVER."""
-    options = {"nproc": workers, "servers": servers}
+def ps_runs(
+    names: list[str], workers: int, servers: int, extra: dict[str, Any] | None = None
+) -> Any:
+    """One rank of a ps job (`extra`: more options) training with each optimizer of `names`
+    in turn: a worker returns its parameters per run, a server serves every run and
+    returns SERVER."""
+    options = {"nproc": workers, "servers": servers, **(extra or {})}
     config = ps_config(options)
     if ParameterServer.role_main(config, int(os.environ["RANK"])) is None:
         last = len(names) - 1
@@ -88,7 +94,10 @@ def ps_runs(names: list[str], workers: int, servers: int) -> Any:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("workers", "servers", "names"),
-    [(2, 1, ["sgd-nesterov", "adam", "adamw", "rmsprop"]), (2, 2, ["adamw-groups", "adam"])],
+    [
+        (2, 1, ["sgd-nesterov", "adam", "adamw", "rmsprop", "adagrad", "adamax"]),
+        (2, 2, ["adamw-groups", "adam"]),
+    ],
 )
 def test_sync_ps_matches_single_with_each_optimizer(
     workers: int, servers: int, names: list[str]
@@ -98,3 +107,11 @@ def test_sync_ps_matches_single_with_each_optimizer(
     for name, params in zip(names, results[0], strict=True):
         expected = train_with(name, strategy="single")
         assert_close(params, expected, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ps_refuses_clipping_with_what_to_use(mode: str) -> None:
+    with pytest.raises(dtrain.ConfigError, match="--strategy ddp or zero1"):
+        ParameterServer.check_options(
+            ps_config({"nproc": 2, "ps_mode": mode, "clip_grad_norm": 1.0})
+        )

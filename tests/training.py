@@ -26,6 +26,8 @@ OPTIMIZERS: dict[str, Any] = {
     # so a reduction in another order (tensor parallel) flips it. A larger eps keeps the
     # comparison about the strategy, not about rounding.
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, eps=1e-4),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, eps=1e-4),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=2e-3),
 }
 """Optimizers every strategy must run as one process does (`train(optimizer_name=...)`)."""
 
@@ -40,6 +42,7 @@ def train(
     manual: bool = False,
     optimizer_name: str | None = None,
     scheduler: bool = False,
+    torch_clip: float | None = None,
     **options: Any,
 ) -> Any:
     """Train `steps` steps under `options` (given to dtrain.init); return the parameters
@@ -49,7 +52,8 @@ def train(
     step by hand (``engine.backward(loss); optimizer.step(); optimizer.zero_grad()``).
     `optimizer_name` picks one of OPTIMIZERS instead of the model's default. With
     `scheduler`, a StepLR halving the learning rate every step is built on the optimizer
-    before `engine.setup` (as most scripts do) and stepped after each step.
+    before `engine.setup` (as most scripts do) and stepped after each step. With
+    `torch_clip` (and `manual`), torch's own ``clip_grad_norm_`` clips before each step.
 
     With `checkpoint_in`, first load that checkpoint (any strategy may have written it);
     with `checkpoint_out`, save one at the end. `close=False` keeps the process group for
@@ -80,6 +84,8 @@ def train(
             if manual:
                 inputs, targets = engine.to_device(batch)
                 engine.backward(loss_fn(model(inputs), targets))
+                if torch_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
                 optimizer.step()
                 optimizer.zero_grad()
             else:
@@ -91,15 +97,24 @@ def train(
         epoch += 1
     if checkpoint_out:
         engine.save(checkpoint_out)
-    params = engine.state_dict()
     report = engine.strategy.report() if with_report else None
     del model, optimizer
+    params = finish(engine, close)
+    return (params, report) if with_report else params
+
+
+def finish(engine: dtrain.Engine, close: bool) -> dict[str, torch.Tensor] | None:
+    """The trained parameters (main rank); then close the engine, or with `close=False`
+    only its strategy, keeping the process group for another run. Drop the caller's
+    references to the model and optimizer first (a live DDP object at teardown can abort
+    the process)."""
+    params = engine.state_dict()
     gc.collect()
     if close:
         engine.close()
     else:
         engine.strategy.close()
-    return (params, report) if with_report else params
+    return params
 
 
 def train_variants(variants: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:

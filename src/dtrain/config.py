@@ -20,6 +20,7 @@ PRECISIONS = ("fp32", "bf16-mixed")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("ddp", "zero2", "zero3")
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
+LOGGERS = ("csv", "tensorboard")
 
 
 def option(default: object, help: str, flag: str | None = None) -> object:
@@ -66,6 +67,27 @@ class Config:
         10,
         "Read the loss back from the device every N steps (progress bar, logs, the "
         "non-finite-loss check); the steps between never wait for the device.",
+    )
+    clip_grad_norm: float | None = option(
+        None,
+        "Clip the whole model's gradient to this global L2 norm before each optimizer step "
+        "of engine.train_step (the same norm under every strategy); the logs show the norm "
+        "before clipping.",
+    )
+    logger: list[str] | None = option(
+        None,
+        "Comma-separated metric logs written by rank 0 under --out every --log-every steps: "
+        "csv, tensorboard.",
+    )
+    out: str | None = option(
+        None,
+        "Directory for logs and metrics (and the demo's checkpoints); default runs/demo for "
+        "dtrain demo, runs/dtrain for dtrain run.",
+    )
+    metrics_json: str | None = option(
+        None,
+        "Write the run's results (strategy, world_size, steps, train_loss, samples_per_second, "
+        "wall_seconds, ...) to this JSON file when the script ends (rank 0).",
     )
     checkpoint_format: str = option(
         "consolidated",
@@ -168,6 +190,17 @@ class Config:
             raise ConfigError(f"--timeout must be positive, got {self.timeout_s}.")
         if self.log_every < 1:
             raise ConfigError(f"--log-every must be at least 1, got {self.log_every}.")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(
+                f"--clip-grad-norm must be positive, got {self.clip_grad_norm}; use a bound such "
+                "as 1.0, or drop the flag to train without clipping."
+            )
+        unknown = sorted(set(self.logger or ()) - set(LOGGERS))
+        if unknown:
+            raise ConfigError(
+                f"Unknown --logger {', '.join(unknown)}; choose from {', '.join(LOGGERS)} "
+                "(comma-separated for both)."
+            )
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ConfigError(
                 f"Unknown --checkpoint-format '{self.checkpoint_format}'; choose one of "

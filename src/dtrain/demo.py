@@ -24,8 +24,10 @@ from dtrain.lr import RULES, LRSchedule, scale_lr
 from dtrain.models import MODELS, build
 from dtrain.models.gpt import SIZES
 from dtrain.observe.logs import LOGGER
-from dtrain.observe.metrics import format_memory, format_table, write_metrics
+from dtrain.observe.metrics import format_memory, format_table
 from dtrain.tasks import OPTIMIZERS, TASKS, make_optimizer
+
+DEFAULT_OUT = "runs/demo"
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -80,18 +82,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0, help="Seed of the model and the shuffle.")
     g.add_argument(
-        "--out",
-        type=Path,
-        default=Path("runs/demo"),
-        help="Directory for checkpoints, metrics and logs.",
-    )
-    g.add_argument(
         "--checkpoint-every",
         type=int,
         default=None,
         help="Save a checkpoint every N steps (default: at the end of each epoch).",
     )
-    g.add_argument("--metrics-json", type=Path, default=None, help="Write the results here.")
     g.add_argument(
         "--keep-checkpoints",
         type=int,
@@ -133,6 +128,7 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, flag, getattr(task, flag))
     if args.ref_batch_size is None:
         args.ref_batch_size = task.global_batch_size
+    args.out = Path(args.out or DEFAULT_OUT)
     if args.keep_checkpoints < 1:
         raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}.")
     return args
@@ -183,10 +179,11 @@ def check_batch(global_batch: int, dp_size: int, splits: int, grad_accumulation:
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    """Train, evaluate and report; returns the metrics (also written with --metrics-json)."""
+    """Train, evaluate and report; returns the metrics (also written with --metrics-json,
+    by the Engine when it closes)."""
     wall_start = time.perf_counter()
     args = parse_args(argv)
-    engine = dtrain.init(seed=args.seed)
+    engine = dtrain.init(seed=args.seed, out=str(args.out))
     engine.log_to(args.out / "logs")
     per_worker = check_batch(
         args.global_batch_size,
@@ -272,17 +269,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     }
     if engine.config.memory_report:
         metrics["memory"] = engine.memory_report()
+    engine.report.results.update(metrics)  # the metrics JSON, written by engine.close
     if engine.is_main:
         rows = [(k, v) for k, v in metrics.items() if v is not None and k != "memory"]
         print(format_table(rows), flush=True)
         if engine.config.memory_report:
             print(format_memory(metrics["memory"]), flush=True)
-        if args.metrics_json:
-            write_metrics(args.metrics_json, metrics)
-        wrote = f"metrics in {args.metrics_json}, " if args.metrics_json else ""
         print(
-            f"Checkpoints in {ckpt_root}, {wrote}logs in {args.out / 'logs'} (one per rank).",
-            flush=True,
+            f"Checkpoints in {ckpt_root}, logs in {args.out / 'logs'} (one per rank).", flush=True
         )
     LOGGER.info("metrics %s", metrics)
     engine.close()

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +22,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from dtrain.batches import LossFn, batch_size, split, to_device
 from dtrain.checkpointing import Checkpoints
 from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config
 from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
-from dtrain.errors import NonFiniteLossError, SetupError
+from dtrain.errors import ConfigError, NonFiniteLossError, SetupError
 from dtrain.evaluation import evaluation_sums
 from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput, track
+from dtrain.observe.report import RunReport
 from dtrain.position import Position
 from dtrain.strategies import Strategy
 from dtrain.teardown import close_at_exit, forget
 from dtrain.topology import Topology
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 class Engine:
@@ -58,8 +57,12 @@ class Engine:
         self._told_batch = False
         close_at_exit(self)
         self._watch = LossWatch(config.log_every)
+        self.report = RunReport(config, topology.is_main)
+        """The metric logs (--logger) and the results JSON (--metrics-json)."""
         self._stepping = False
         """True inside train_step's optimizer step (which reads the loss before it)."""
+        self.grad_norm: torch.Tensor | None = None
+        """The gradient norm before the last clipping (on the device), for the logs."""
         self.memory: dict[str, int] | None = None
         """Model-state bytes of this rank after its first step (with memory_report)."""
 
@@ -269,30 +272,30 @@ class Engine:
 
     # -- training -------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:
-        """Move a batch (tensors, or tuples/lists/dicts of them) to `engine.device`."""
-        if isinstance(batch, torch.Tensor):
-            return batch.to(self.device, non_blocking=True)
-        if isinstance(batch, (tuple, list)):
-            return type(batch)(self.to_device(b) for b in batch)
-        if isinstance(batch, dict):
-            return {k: self.to_device(v) for k, v in batch.items()}
-        return batch
+        """Move a batch (tensors, or any nesting of tuples, lists and dicts of them) to
+        `engine.device`."""
+        return to_device(batch, self.device)
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
-        """Forward, backward, gradient sync and optimizer step on one batch.
+    def train_step(self, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """Forward, backward, gradient sync, clipping and optimizer step on one batch.
 
-        `loss_fn(model(inputs), targets)` must return the mean loss of its samples. With
-        ``grad_accumulation=k`` the batch is cut into k micro-batches whose gradients are
-        accumulated locally and synchronised once. Returns the batch's mean loss, detached
+        `batch` is an ``(inputs, targets)`` pair (the loss is ``loss_fn(model(inputs),
+        targets)``), a dict (``model(**batch)``; the loss is ``loss_fn(output, batch)``, or
+        with ``loss_fn=None`` the output's own ``.loss``, as Hugging Face models return it
+        given labels), or any nesting of tensors (``model(batch)``); see `dtrain.batches`.
+        The loss must be the mean over the batch's samples. With ``grad_accumulation=k``
+        the batch is cut along its first dimension into k micro-batches whose gradients
+        are accumulated locally and synchronised once. With ``clip_grad_norm`` the global
+        gradient norm is clipped before the update. Returns the batch's mean loss, detached
         and left on the device (reading it, e.g. with ``.item()``, waits for the device;
         the Engine itself reads it only every ``log_every`` steps).
         """
         self._require_setup("engine.train_step")
         if self.optimizer is None:
             raise SetupError("engine.train_step needs an optimizer; pass it to engine.setup.")
-        inputs, targets = self.to_device(batch)
+        batch = self.to_device(batch)
         k = self.config.grad_accumulation
-        total = inputs.shape[0]
+        total = batch_size(batch)
         if total < k:
             raise SetupError(
                 f"A batch of {total} sample(s) cannot be cut into --grad-accumulation {k} "
@@ -301,12 +304,11 @@ class Engine:
         measure = self.config.memory_report and self.memory is None
         held_in_step = 0
         mean: torch.Tensor | int = 0
-        parts = zip(torch.tensor_split(inputs, k), torch.tensor_split(targets, k), strict=True)
-        for i, (x, y) in enumerate(parts):
+        for i, part in enumerate(split(batch, k) if k > 1 else [batch]):
             sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
-            weight = x.shape[0] / total
+            weight = batch_size(part) / total if k > 1 else 1.0
             with sync:
-                loss = self.strategy.forward_backward((x, y), loss_fn, weight)
+                loss = self.strategy.forward_backward(part, loss_fn, weight)
             mean = loss if k == 1 else mean + loss * weight
             if measure:  # parameters held between forward and backward
                 held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
@@ -315,6 +317,8 @@ class Engine:
         grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
         if (self.step + 1) % self.config.log_every == 0:
             self._read_loss()  # before the update: a non-finite loss never reaches it
+        if self.config.clip_grad_norm is not None:
+            self.clip_grad_norm_(self.config.clip_grad_norm)
         self._stepping = True
         self.optimizer.step()
         self._stepping = False
@@ -328,18 +332,59 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         return mean
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global L2 norm is at most `max_norm`; return
+        the norm before clipping (a 0-d tensor on the device, not read back).
+
+        The norm is that of the whole model's gradient, as `single` would compute it, under
+        every strategy (sharded and tensor-parallel gradients, pipeline stages, towers).
+        Call it between backward and ``optimizer.step()`` in a hand-written loop (on every
+        rank: it is a collective); `train_step` calls it itself with ``clip_grad_norm``.
+        """
+        self._require_setup("engine.clip_grad_norm_")
+        if not max_norm > 0:
+            raise ConfigError(
+                f"The gradient-norm bound must be positive, got {max_norm}; use a value such "
+                "as 1.0, or do not clip."
+            )
+        norm = self.strategy.clip_grad_norm_(max_norm)
+        self.grad_norm = norm
+        return norm
+
     def _read_loss(self) -> float | None:
         """Read the watched loss back from the device (collective under synchronous
         strategies); on a non-finite loss, clear the gradients and raise."""
         strategy = self.strategy
+        watch = self._watch
+        fresh = watch.unread
         try:
-            return self._watch.read(
-                strategy.train_group, strategy.lockstep and dist.is_initialized()
-            )
+            loss = watch.read(strategy.train_group, strategy.lockstep and dist.is_initialized())
         except NonFiniteLossError:
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
             raise
+        if fresh and loss is not None:
+            self._log_training(loss, watch.last_step)
+        return loss
+
+    def _log_training(self, loss: float, step: int) -> None:
+        """The training scalars of the metric logs, at a loss read (main rank)."""
+        if not self.is_main:
+            return
+        metrics = {
+            "train/loss": loss,
+            "train/samples_per_second": self.throughput.samples_per_second,
+        }
+        if self.optimizer is not None:
+            metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if self.grad_norm is not None:
+            metrics["train/grad_norm"] = float(self.grad_norm)
+        self.report.log(metrics, step)
+
+    def log(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Add the script's own `metrics` (name -> number) to the metric logs (--logger) at
+        `step` (default: the current optimizer step); only the main rank writes."""
+        self.report.log(metrics, self.step if step is None else step)
 
     def check_loss(self) -> float | None:
         """The last loss, read back now (a collective under synchronous strategies: call it
@@ -370,7 +415,7 @@ class Engine:
         return self.strategy.no_sync()
 
     # -- evaluation -----------------------------------------------------------------------
-    def evaluate(self, loader: Iterable[Batch], loss_fn: LossFn | None = None) -> dict[str, float]:
+    def evaluate(self, loader: Iterable[Any], loss_fn: LossFn | None = None) -> dict[str, float]:
         """Mean loss (and accuracy for classifiers) over `loader`, reduced over workers.
 
         The model is switched to eval mode (batch norm, dropout) and back. Accuracy is
@@ -395,9 +440,10 @@ class Engine:
             result["loss"] = loss_sum / count
         if count and classifier:
             result["accuracy"] = correct / count
+        self.report.log({f"eval/{k}": v for k, v in result.items()}, self.step)
         return result
 
-    def _evaluation_shortfall(self, loader: Iterable[Batch]) -> int:
+    def _evaluation_shortfall(self, loader: Iterable[Any]) -> int:
         """Batches this rank has fewer than the data-parallel rank with the most, where
         the model's forward is a collective over them (sharded parameters are gathered in
         forward): a rank without a share of the last, short batch must still take part."""
@@ -444,12 +490,17 @@ class Engine:
         self._require_setup("engine.load")
         if self._watch.unread:
             self._read_loss()  # the steps before the load are checked before they are left
-        return self.checkpoints.load(path, strict)
+        manifest = self.checkpoints.load(path, strict)
+        self.report.resumed_at = self.step
+        return manifest
 
     def resume(self, root: str | Path) -> dict[str, Any] | None:
         """Load the newest intact checkpoint under `root`; None if there is none."""
         self._require_setup("engine.resume")
-        return self.checkpoints.resume(root)
+        manifest = self.checkpoints.resume(root)
+        if manifest is not None:
+            self.report.resumed_at = self.step
+        return manifest
 
     # -- collectives and teardown ---------------------------------------------------------
     def barrier(self) -> None:
@@ -476,6 +527,15 @@ class Engine:
         self._closed = True
         forget(self)
         self.checkpoints.finish()
+        metrics_path = self.report.finish(
+            {
+                "strategy": self.strategy.name,
+                "world_size": self.world_size,
+                "steps": self.step,
+                "train_loss": self._watch.last,
+                "samples_per_second": self.throughput.samples_per_second,
+            }
+        )
         if self.step:
             self.print(
                 f"dtrain: {self.step} steps, {self.throughput.samples_per_second:,.0f} samples/s"
@@ -484,6 +544,7 @@ class Engine:
                     if self.checkpoints.last_path
                     else ""
                 )
+                + (f", metrics in {metrics_path}" if metrics_path else "")
                 + "."
             )
         wrapped = weakref.ref(self.model) if self.model is not None else None

@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from dtrain.batches import LossFn, batch_loss, batch_size, call_model, has_own_loss, is_pair
+
 
 @torch.no_grad()
 def evaluation_sums(
     model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
+    batches: Iterable[Any],
+    loss_fn: LossFn | None,
     autocast: Callable[[], contextlib.AbstractContextManager[None]],
     device: torch.device,
     extra_forwards: int = 0,
 ) -> tuple[torch.Tensor, bool]:
     """([loss sum, correct, samples] as float64 on `device`, whether it is a classifier).
 
-    `model` is put in eval mode and back. Accuracy counts when the outputs are (N, C)
-    logits and the targets (N,) class indices; the loss sum weights each batch's mean
+    Batches take the shapes `dtrain.batches` describes; a batch's loss is counted when
+    `loss_fn` is given or the model returns one. `model` is put in eval mode and back.
+    Accuracy counts when the outputs (or their ``logits``) are (N, C) and the targets (or
+    the batch's ``labels``) (N,) class indices; the loss sum weights each batch's mean
     loss by its size. `extra_forwards` more forwards of the last batch follow, counted
     nowhere (so that every rank of a collective forward runs as many).
     """
@@ -30,22 +34,42 @@ def evaluation_sums(
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     classifier = True
+    batch: Any = None
     try:
-        for inputs, targets in batches:
+        for batch in batches:
+            n = batch_size(batch)
             with autocast():
-                outputs = model(inputs)
-            n = targets.shape[0]
-            if loss_fn is not None:
-                totals[0] += float(loss_fn(outputs, targets)) * n
+                outputs = call_model(model, batch)
+                if loss_fn is not None or has_own_loss(outputs):
+                    totals[0] += batch_loss(outputs, batch, loss_fn).detach().double() * n
+            logits, targets = _logits(outputs), _targets(batch)
             classifier = classifier and (
-                outputs.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point()
+                logits is not None
+                and targets is not None
+                and logits.dim() == 2
+                and targets.dim() == 1
+                and not targets.is_floating_point()
             )
             if classifier:
-                totals[1] += (outputs.argmax(dim=1) == targets).sum().item()
+                totals[1] += (logits.argmax(dim=1) == targets).sum()  # type: ignore[union-attr]
             totals[2] += n
         for _ in range(extra_forwards if totals[2] else 0):
             with autocast():
-                model(inputs)
+                call_model(model, batch)
     finally:
         model.train(was_training)
     return totals, classifier
+
+
+def _logits(outputs: Any) -> torch.Tensor | None:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    found = outputs.get("logits") if isinstance(outputs, Mapping) else None
+    return found if isinstance(found, torch.Tensor) else None
+
+
+def _targets(batch: Any) -> torch.Tensor | None:
+    found = (
+        batch[1] if is_pair(batch) else batch.get("labels") if isinstance(batch, Mapping) else None
+    )
+    return found if isinstance(found, torch.Tensor) else None

@@ -38,7 +38,7 @@ def add_topology_args(parser: argparse.ArgumentParser) -> None:
         )
         if f.name == "devices":
             convert = _device_list
-        if f.name in ("blocks", "split_points"):
+        if f.name in ("blocks", "split_points", "logger"):
             convert = _name_list
         help_text = f.metadata["help"]
         if f.name == "strategy":

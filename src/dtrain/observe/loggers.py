@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from dtrain.config import LOGGERS
 from dtrain.errors import ConfigError
 
-LOGGERS = ("csv", "tensorboard")
 CSV_HEADER = ("step", "name", "value")
 FLUSH_SECS = 30
 """How often TensorBoard's writer flushes: a person watching a run sees it this late."""

@@ -31,6 +31,8 @@ class LossWatch:
         """Slots filled since the last read."""
         self.last: float | None = None
         """The last loss read back (what the progress bar shows)."""
+        self.last_step = 0
+        """The optimizer step `last` belongs to."""
 
     @property
     def unread(self) -> bool:
@@ -67,6 +69,7 @@ class LossWatch:
             rows = torch.stack(everyone).tolist()
         else:
             rows = [losses.tolist()]
+        self.last_step = self._first_step + self._count - 1
         self._count = 0
         bad = [
             (self._first_step + slot, value, rank)

@@ -16,10 +16,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from dtrain.batches import LossFn, forward_loss
 from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.parallel.clip import clip_grad_norm
 from dtrain.topology import Topology, detect
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -194,26 +196,35 @@ class Strategy:
             return contextlib.nullcontext()
         return torch.autocast(self.topology.device.type, dtype=torch.bfloat16)
 
-    def forward_backward(
-        self, batch: Any, loss_fn: Callable[..., torch.Tensor], scale: float
-    ) -> torch.Tensor:
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
         """The step seam: forward and backward of one micro-batch of one process.
 
-        `batch` is ``(inputs, targets)`` on `input_device`; ``loss_fn(model(inputs),
-        targets)`` is the micro-batch's mean loss, back-propagated times `scale` (its share
-        of the step's samples). Returns the unscaled loss, detached, on the device: never
-        read back here, so the step does not wait for the device. Every strategy's work
-        for a step happens here or in the optimizer's step.
+        `batch` is on `input_device`, in any of the shapes `dtrain.batches` describes (an
+        ``(inputs, targets)`` pair, a dict, or a nesting of tensors); its mean loss is
+        back-propagated times `scale` (its share of the step's samples). Returns the
+        unscaled loss, detached, on the device: never read back here, so the step does not
+        wait for the device. Every strategy's work for a step happens here or in the
+        optimizer's step.
         """
-        inputs, targets = batch
         with self.autocast():
-            loss = loss_fn(self.model(inputs), targets)  # type: ignore[misc]
+            _, loss = forward_loss(self.model, batch, loss_fn)  # type: ignore[arg-type]
         self.backward(loss if scale == 1 else loss * scale)
         return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and make the gradients ready for the optimizer."""
         loss.backward()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients the optimizer is about to apply to the global norm
+        `max_norm`; return the norm before clipping (see `dtrain.parallel.clip`)."""
+        return clip_grad_norm(self.unwrap().parameters(), max_norm, self.grad_norm_groups)
+
+    @property
+    def grad_norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Groups whose ranks hold gradients of different parameters, not expressed as
+        DTensor placements (pipeline stages): the norm's squares are summed over them."""
+        return ()
 
     def full_state(
         self, optimizer: Optimizer | None

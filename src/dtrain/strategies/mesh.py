@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from dtrain.batches import LossFn, is_pair
 from dtrain.checkpoint.format import expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
@@ -134,6 +135,11 @@ class MeshStrategy(Strategy):
     def micro_splits(self) -> int:
         return microbatches(self.config, self.degrees.pp) if self.pipelined else 1
 
+    @property
+    def grad_norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Pipeline stages hold different layers: their gradient norms add up."""
+        return (self.mesh.group("pp"),) if self.pipelined else ()
+
     # -- setup ----------------------------------------------------------------------------
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
@@ -170,15 +176,20 @@ class MeshStrategy(Strategy):
         return self._model_class
 
     # -- the step -------------------------------------------------------------------------
-    def forward_backward(
-        self, batch: Any, loss_fn: Callable[..., torch.Tensor], scale: float
-    ) -> torch.Tensor:
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
         """Under a pipeline, the schedule runs every stage's forward and backward over
         the micro-batches; the batch's loss is averaged over the dp replicas, so a
         non-finite loss on any of them is seen by all."""
         pipeline = self.pipeline
         if pipeline is None:
             return super().forward_backward(batch, loss_fn, scale)
+        if not is_pair(batch) or loss_fn is None:
+            raise SetupError(
+                "Under a pipeline the last stage computes the loss from its output and the "
+                "targets, so engine.train_step needs an (inputs, targets) batch of tensors and "
+                "a loss_fn(output, targets); a model that computes its own loss from a dict "
+                "batch runs under the other strategies (ddp, zero3, tensor, ...)."
+            )
         inputs, targets = batch
         with self.autocast():
             loss = pipeline.step(inputs, targets, loss_fn)

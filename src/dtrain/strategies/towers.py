@@ -11,7 +11,7 @@ a gradient skipped) and the optimizer applies them once. Works on CPU as well as
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import parallel_apply
 from torch.optim import Optimizer
 
+from dtrain.batches import batch_size, split, to_device
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.strategies.base import Strategy, register
@@ -47,19 +48,25 @@ def tower_devices(config: Config) -> tuple[list[torch.device], torch.device]:
     return [torch.device("cpu")] * count, torch.device("cpu")
 
 
-def _gather(outputs: Sequence[Any], device: torch.device) -> Any:
-    """Concatenate the towers' outputs along dim 0 on `device` (tensors, tuples, dicts)."""
+def _gather(outputs: Sequence[Any], device: torch.device, weights: Sequence[float]) -> Any:
+    """Merge the towers' outputs on `device`: tensors concatenated along dim 0, 0-d tensors
+    (a loss the model computed) averaged with the towers' shares of the batch as
+    `weights`, tuples, lists and dicts (Hugging Face outputs) merged key by key; other
+    values (key-value caches) cannot be merged and become None."""
     first = outputs[0]
     if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return sum(o.to(device) * w for o, w in zip(outputs, weights, strict=True))
         return torch.cat([o.to(device) for o in outputs], dim=0)
     if isinstance(first, (tuple, list)):
-        return type(first)(_gather(parts, device) for parts in zip(*outputs, strict=True))
-    if isinstance(first, dict):
-        return {key: _gather([o[key] for o in outputs], device) for key in first}
-    raise TypeError(
-        f"The towers can gather tensors, tuples, lists and dicts of them; the model returned "
-        f"{type(first).__name__}."
-    )
+        return type(first)(_gather(parts, device, weights) for parts in zip(*outputs, strict=True))
+    if isinstance(first, Mapping):
+        merged = {key: _gather([o[key] for o in outputs], device, weights) for key in first}
+        try:
+            return type(first)(**merged)
+        except TypeError:
+            return merged
+    return None
 
 
 class TowerReplicas(nn.Module):
@@ -104,39 +111,36 @@ class TowerReplicas(nn.Module):
             for dst, src in zip(target, source, strict=True):
                 dst.copy_(src, non_blocking=True)
 
-    def forward(self, inputs: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        """Split `inputs` (and tensor args of the same batch size) over the towers."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Cut the batch (every tensor argument, positional or keyword, along dim 0) over
+        the towers, run each replica on its part, and merge their outputs."""
         towers = len(self._replicas)
-        if inputs.shape[0] < towers:
+        samples = batch_size((args, kwargs))
+        if samples < towers:
             raise ConfigError(
-                f"A batch of {inputs.shape[0]} sample(s) cannot be split over {towers} towers; "
+                f"A batch of {samples} sample(s) cannot be split over {towers} towers; "
                 f"use a batch of at least {towers} (a multiple of {towers} keeps the towers even) "
                 "or fewer --towers."
             )
         self._refresh()
-        chunks = [torch.tensor_split(inputs, towers, dim=0)]
-        chunks += [
-            torch.tensor_split(a, towers, dim=0)
-            if isinstance(a, torch.Tensor) and a.shape[:1] == inputs.shape[:1]
-            else [a] * towers
-            for a in args
+        parts = [
+            to_device(part, device)
+            for part, device in zip(split((args, kwargs), towers), self.devices, strict=True)
         ]
-        tower_inputs = [
-            tuple(c.to(dev, non_blocking=True) if isinstance(c, torch.Tensor) else c for c in part)
-            for dev, part in zip(self.devices, zip(*chunks, strict=True), strict=True)
-        ]
-        tower_kwargs = [kwargs] * towers
+        weights = [batch_size(part) / samples for part in parts]
+        tower_args = [part[0] for part in parts]
+        tower_kwargs = [part[1] for part in parts]
         if all(d.type == "cuda" for d in self.devices) and len(set(self.devices)) == towers:
-            outputs = parallel_apply(self._replicas, tower_inputs, tower_kwargs, self.devices)
+            outputs = parallel_apply(self._replicas, tower_args, tower_kwargs, self.devices)
         else:
             # CPU towers share the cores; running them one after the other is as fast.
             outputs = [
-                replica(*inp, **kw)
-                for replica, inp, kw in zip(self._replicas, tower_inputs, tower_kwargs, strict=True)
+                replica(*a, **kw)
+                for replica, a, kw in zip(self._replicas, tower_args, tower_kwargs, strict=True)
             ]
         if self.training:
             self._keep_first_buffers()
-        return _gather(outputs, self.param_device)
+        return _gather(outputs, self.param_device, weights)
 
     @torch.no_grad()
     def _keep_first_buffers(self) -> None:

@@ -34,6 +34,13 @@ from dtrain.strategies.ps.optimizer import WorkerOptimizer, check_optimizer
 from dtrain.strategies.ps.storage import FlatParameters
 from dtrain.topology import Topology
 
+NO_CLIPPING = (
+    "Gradient clipping is not supported under --strategy ps yet: each worker pushes its "
+    "gradients to the servers during backward, before a clip could scale them, and a sync "
+    "round's mean is seen by the servers only. Train without --clip-grad-norm, or use "
+    "--strategy ddp or zero1, which clip exactly as one process does."
+)
+
 
 @register
 class ParameterServer(Strategy):
@@ -75,6 +82,12 @@ class ParameterServer(Strategy):
             )
 
     @classmethod
+    def check_options(cls, config: Config) -> None:
+        super().check_options(config)
+        if config.clip_grad_norm is not None:
+            raise ConfigError(NO_CLIPPING)
+
+    @classmethod
     def role_main(cls, config: Config, rank: int) -> Callable[[], None] | None:
         """Server ranks serve (serving.py) instead of running the user's script."""
         return functools.partial(serving.serve, config) if rank >= config.nproc else None
@@ -103,6 +116,9 @@ class ParameterServer(Strategy):
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self._workers_group
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        raise ConfigError(NO_CLIPPING)
 
     @property
     def lockstep(self) -> bool:

@@ -1,0 +1,111 @@
+"""Tiny Hugging Face models built from configs in code (nothing downloaded), trained with
+dict batches and the loss the model computes itself, identically under any strategy."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+from training import finish  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+import dtrain  # noqa: E402
+
+VOCAB, LENGTH, SAMPLES = 64, 16, 96
+GLOBAL_BATCH = 12
+BERT_TP_PLAN = {
+    "bert.encoder.layer.*.intermediate.dense": "colwise",
+    "bert.encoder.layer.*.output.dense": "rowwise",
+}
+"""The feed-forward layers of every BERT block, split over the tensor-parallel ranks."""
+
+hf_logging.set_verbosity_error()
+
+
+class Tokens(Dataset):
+    """Random token sequences with a class label (BERT) or as their own targets (GPT-2)."""
+
+    def __init__(self, kind: str) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (SAMPLES, LENGTH), generator=generator)
+        self.classes = torch.randint(0, 3, (SAMPLES,), generator=generator)
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i]
+        if self.kind == "bert":
+            return {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "labels": self.classes[i],
+            }
+        return {"input_ids": ids, "labels": ids}
+
+
+def build(kind: str) -> torch.nn.Module:
+    """A tiny BERT classifier or GPT-2 (tied embeddings), without dropout."""
+    torch.manual_seed(0)
+    if kind == "bert":
+        config = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=LENGTH,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return BertForSequenceClassification(config)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def train_hf(kind: str, steps: int = 3, close: bool = True, **options: Any) -> dict | None:
+    """Train `kind` for `steps` steps with AdamW under `options`; the parameters on the
+    main rank (canonical names), None elsewhere."""
+    engine = dtrain.init(seed=0, **options)
+    model = build(kind)
+    if engine.strategy.name in ("tensor", "hybrid"):
+        model.tensor_parallel_plan = lambda degree: BERT_TP_PLAN  # type: ignore[method-assign]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = engine.setup(model, optimizer)
+    loader = engine.dataloader(Tokens(kind), global_batch_size=GLOBAL_BATCH)
+    for batch in engine.progress(loader):
+        engine.train_step(batch)  # model(**batch); the loss is the model's own
+        if engine.step == steps:
+            break
+    del model, optimizer
+    return finish(engine, close)
+
+
+def train_hf_variants(variants: list[dict[str, Any]]) -> list[dict | None]:
+    """Several `train_hf` runs one after the other in this process group."""
+    last = len(variants) - 1
+    return [train_hf(close=i == last, **variant) for i, variant in enumerate(variants)]

@@ -1,0 +1,68 @@
+"""Gradient clipping by the global norm clips exactly as one process does, under every
+strategy: with a bound that clips every step, the parameters after a few steps equal those
+of `single`, which equal a plain loop with torch's own ``clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_ranks
+from torch.testing import assert_close
+from training import train, train_variants
+
+import dtrain
+from dtrain.errors import ConfigError
+
+BOUND = 0.05  # the tiny GPT's gradient norm is well above this at every step
+RUN = {"model_name": "gpt", "steps": 3, "optimizer_name": "sgd"}
+WORLD_2 = ("ddp", "zero1", "zero2", "zero3", "pipeline", "tensor")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    """`single` with clipping; checked against torch's clip_grad_norm_ and against no clip."""
+    clipped = train(strategy="single", clip_grad_norm=BOUND, **RUN)
+    by_torch = train(strategy="single", manual=True, torch_clip=BOUND, **RUN)
+    assert_close(clipped, by_torch)
+    unclipped = train(strategy="single", **RUN)
+    assert any(not torch.allclose(clipped[k], unclipped[k]) for k in clipped), "never clipped"
+    return clipped
+
+
+@pytest.mark.timeout(120)
+def test_towers_clip_as_single(reference: dict[str, torch.Tensor]) -> None:
+    assert_close(train(strategy="towers", towers=2, clip_grad_norm=BOUND, **RUN), reference)
+
+
+@pytest.mark.timeout(300)
+def test_two_process_strategies_clip_as_single(reference: dict[str, torch.Tensor]) -> None:
+    variants = [{"strategy": s, "clip_grad_norm": BOUND, **RUN} for s in WORLD_2]
+    results = run_ranks(train_variants, 2, variants, timeout=280)[0]
+    for variant, params in zip(variants, results, strict=True):
+        label = variant["strategy"]
+        assert_close(params, reference, msg=lambda m, label=label: f"{label}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_four_process_layouts_clip_as_single(reference: dict[str, torch.Tensor]) -> None:
+    """Pipeline x tensor stages, and data-parallel replicas of tensor shards."""
+    variants = [
+        {"strategy": "hybrid", "pp": 2, "tp": 2, "clip_grad_norm": BOUND, **RUN},
+        {
+            "strategy": "hybrid",
+            "dp": 2,
+            "tp": 2,
+            "dp_mode": "zero3",
+            "clip_grad_norm": BOUND,
+            **RUN,
+        },
+    ]
+    results = run_ranks(train_variants, 4, variants, timeout=280)[0]
+    for variant, params in zip(variants, results, strict=True):
+        assert_close(params, reference, msg=lambda m, v=variant: f"{v}: {m}")
+
+
+def test_a_bound_that_is_not_positive_is_refused() -> None:
+    for bound in (0.0, -1.0):
+        with pytest.raises(ConfigError, match="--clip-grad-norm must be positive"):
+            dtrain.Config(clip_grad_norm=bound)
