@@ -418,13 +418,16 @@ class Engine:
     def evaluate(self, loader: Iterable[Any], loss_fn: LossFn | None = None) -> dict[str, float]:
         """Mean loss (and accuracy for classifiers) over `loader`, reduced over workers.
 
+        Batches take the shapes `train_step` takes; the loss is `loss_fn`'s, or with
+        ``loss_fn=None`` the one the model returns (none for a model that returns none).
         The model is switched to eval mode (batch norm, dropout) and back. Accuracy is
-        reported when the outputs are (N, C) logits and the targets (N,) class indices.
+        reported when the outputs (or their ``logits``) are (N, C) and the targets (or the
+        batch's ``labels``) (N,) class indices. Each result is also logged as ``eval/*``.
         """
         self._require_setup("engine.evaluate")
         self.strategy.refresh()
         batches = (self.to_device(batch) for batch in loader)
-        totals, classifier = evaluation_sums(
+        totals, classifier, counted_loss = evaluation_sums(
             self.strategy.eval_module(),
             batches,
             loss_fn,
@@ -436,7 +439,7 @@ class Engine:
             dist.all_reduce(totals, group=self.strategy.dp_group)
         loss_sum, correct, count = totals.tolist()
         result = {"samples": count}
-        if count and loss_fn is not None:
+        if count and counted_loss:
             result["loss"] = loss_sum / count
         if count and classifier:
             result["accuracy"] = correct / count

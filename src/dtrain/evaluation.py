@@ -20,8 +20,9 @@ def evaluation_sums(
     autocast: Callable[[], contextlib.AbstractContextManager[None]],
     device: torch.device,
     extra_forwards: int = 0,
-) -> tuple[torch.Tensor, bool]:
-    """([loss sum, correct, samples] as float64 on `device`, whether it is a classifier).
+) -> tuple[torch.Tensor, bool, bool]:
+    """([loss sum, correct, samples] as float64 on `device`, whether it is a classifier,
+    whether a loss was counted).
 
     Batches take the shapes `dtrain.batches` describes; a batch's loss is counted when
     `loss_fn` is given or the model returns one. `model` is put in eval mode and back.
@@ -34,6 +35,7 @@ def evaluation_sums(
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     classifier = True
+    counted_loss = False
     batch: Any = None
     try:
         for batch in batches:
@@ -42,6 +44,7 @@ def evaluation_sums(
                 outputs = call_model(model, batch)
                 if loss_fn is not None or has_own_loss(outputs):
                     totals[0] += batch_loss(outputs, batch, loss_fn).detach().double() * n
+                    counted_loss = True
             logits, targets = _logits(outputs), _targets(batch)
             classifier = classifier and (
                 logits is not None
@@ -58,7 +61,7 @@ def evaluation_sums(
                 call_model(model, batch)
     finally:
         model.train(was_training)
-    return totals, classifier
+    return totals, classifier, counted_loss
 
 
 def _logits(outputs: Any) -> torch.Tensor | None:
