@@ -53,12 +53,14 @@ def plan_of(model: nn.Module, degree: int) -> dict[str, ParallelStyle]:
         if not matches:
             raise ConfigError(f"The tensor-parallel plan names {path!r}, which matches no module.")
         for name, module in matches:
-            _check_divisible(name, module, style, degree)
+            _check_divisible(type(model).__name__, name, module, style, degree)
         plan[path] = style
     return plan
 
 
-def _check_divisible(name: str, module: nn.Module, style: ParallelStyle, degree: int) -> None:
+def _check_divisible(
+    model: str, name: str, module: nn.Module, style: ParallelStyle, degree: int
+) -> None:
     if not isinstance(module, nn.Linear):
         return
     size, what = (
@@ -67,9 +69,13 @@ def _check_divisible(name: str, module: nn.Module, style: ParallelStyle, degree:
         else (module.in_features, "input features")
     )
     if size % degree:
+        fits = [d for d in range(2, min(size, 8) + 1) if size % d == 0]
+        such = f" (such as {' or '.join(map(str, fits[:3]))})" if fits else ""
         raise ConfigError(
-            f"{name} has {size} {what}, which --tp {degree} cannot split evenly; pick a "
-            "degree that divides the hidden sizes and the number of attention heads."
+            f"{name} has {size} {what}, which --tp {degree} cannot split evenly in "
+            f"{model}'s tensor-parallel plan; pick a --tp that divides {size}{such} and the "
+            "plan's other split sizes (a transformer's attention heads too), or resize the "
+            "layer."
         )
 
 
