@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import training
 from conftest import run_cli
 from distributed import run_ranks
 from torch.testing import assert_close
@@ -25,9 +24,6 @@ from dtrain.parallel.tensor_plan import plan_of
 
 STEPS = 5
 MODELS = ("mlp", "cnn")
-# `training.train` builds DigitsMLP(hidden=32) for every digits run; these put the bundled
-# models, at their shipped sizes, in its place.
-BUILDERS = {"mlp": lambda hidden: DigitsMLP(), "cnn": lambda hidden: DigitsCNN()}
 PARALLEL = [
     {"strategy": "pipeline", "microbatches": 4},  # 1F1B, the default schedule
     {"strategy": "pipeline", "schedule": "interleaved", "microbatches": 4},
@@ -36,24 +32,19 @@ PARALLEL = [
 
 
 def train_digits(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, torch.Tensor]]:
-    """`training.train` for each (bundled model, options), one after the other in this
-    process group (as `training.train_variants` does, with the model swapped in)."""
+    """`training.train` of each (bundled model, options), one after the other in this
+    process group."""
     last = len(runs) - 1
-    results = []
-    for i, (model, options) in enumerate(runs):
-        training.DigitsMLP = BUILDERS[model]
-        results.append(train(close=i == last, steps=STEPS, **options))
-    return results
+    return [
+        train(close=i == last, steps=STEPS, model_name=f"bundled:{model}", **options)
+        for i, (model, options) in enumerate(runs)
+    ]
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, dict[str, torch.Tensor]]:
     """Single-process parameters of each bundled digits model after 5 SGD steps."""
-    saved = training.DigitsMLP
-    try:
-        return {model: train_digits([(model, {"strategy": "single"})])[0] for model in MODELS}
-    finally:
-        training.DigitsMLP = saved
+    return {model: train_digits([(model, {"strategy": "single"})])[0] for model in MODELS}
 
 
 @pytest.mark.timeout(150)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import dtrain
 from dtrain.datasets import load_digits, load_text
+from dtrain.models import build
 from dtrain.models.digits import DigitsMLP
 from dtrain.models.gpt import GPT, SIZES, lm_loss
 
@@ -46,7 +47,8 @@ def train(
     **options: Any,
 ) -> Any:
     """Train `steps` steps under `options` (given to dtrain.init); return the parameters
-    (on the main rank; None on the others).
+    (on the main rank; None on the others). `model_name`: "mlp" (a small digits MLP),
+    "gpt" (the tiny GPT), or "bundled:NAME" (a bundled digits model at its shipped size).
 
     With `with_report`, return (parameters, the strategy's report) instead. With `manual`,
     step by hand (``engine.backward(loss); optimizer.step(); optimizer.zero_grad()``).
@@ -66,7 +68,7 @@ def train(
         train_set, _ = load_text(context=model.config.context)
         loss_fn = lm_loss
     else:
-        model = DigitsMLP(hidden=32)
+        model = DigitsMLP(hidden=32) if model_name == "mlp" else build(model_name.split(":")[1])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         train_set, _ = load_digits()
         loss_fn = F.cross_entropy
