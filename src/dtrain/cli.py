@@ -11,6 +11,7 @@ from dtrain import __version__, demo
 from dtrain.checkpoint.convert import convert
 from dtrain.checkpoint.verify import summary, verify
 from dtrain.config import Config
+from dtrain.config_file import add_config_arg, parse_with_config
 from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.flags import add_topology_args, config_from
 from dtrain.launch.runner import Target, launch
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Launch a training script on every worker.",
         description="Launch SCRIPT (or -m MODULE) under the chosen topology.",
     )
+    add_config_arg(run)
     add_topology_args(run)
     run.add_argument(
         "-m",
@@ -53,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The main job: train a classifier on scikit-learn's "
         "handwritten digits under any strategy.",
     )
+    add_config_arg(demo_parser)
     add_topology_args(demo_parser)
     demo.add_training_args(demo_parser)
 
@@ -95,8 +98,8 @@ def _check_demo(config: Config, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dtrain` console command; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_with_config(build_parser(), argv)
         if args.command == "ckpt":
             return _ckpt(args)
         config = config_from(args)

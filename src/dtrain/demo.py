@@ -18,6 +18,7 @@ import torch
 
 import dtrain
 from dtrain import checkpoint
+from dtrain.config_file import add_config_arg, parse_with_config
 from dtrain.errors import ConfigError
 from dtrain.flags import add_topology_args
 from dtrain.lr import RULES, LRSchedule, scale_lr
@@ -111,12 +112,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the demo's command line and fill the model's defaults.
 
     TOPOLOGY flags are accepted and left to the launcher, which has already put them into
-    the environment that `dtrain.init` reads.
+    the environment that `dtrain.init` reads. A ``--config`` file is read as the launcher
+    read it, so the training flags it sets reach every worker.
     """
     parser = argparse.ArgumentParser(prog="dtrain demo")
+    add_config_arg(parser)
     add_topology_args(parser)
     add_training_args(parser)
-    return complete_args(parser.parse_args(argv))
+    return complete_args(parse_with_config(parser, argv))
 
 
 def complete_args(args: argparse.Namespace) -> argparse.Namespace:
