@@ -16,14 +16,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import tomllib
 from pathlib import Path
 
 from dtrain.errors import ConfigError
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10, which dtrain still supports without --config
-    tomllib = None
 
 DEST = "config"
 
@@ -97,11 +93,6 @@ def read_config(path: Path, parser: argparse.ArgumentParser) -> dict[str, object
 
 
 def _read_text(path: Path) -> str:
-    if tomllib is None:
-        raise ConfigError(
-            "--config needs Python 3.11 or newer (the standard library's tomllib); upgrade "
-            "Python, or give the flags on the command line."
-        )
     try:
         return path.read_bytes().decode("utf-8")
     except FileNotFoundError:
