@@ -34,6 +34,7 @@ from dtrain.observe.loss import LossWatch
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput, track
 from dtrain.observe.report import RunReport
+from dtrain.optimizers import check_split, train_step_refusal
 from dtrain.position import Position
 from dtrain.strategies import Strategy
 from dtrain.teardown import close_at_exit, forget
@@ -59,6 +60,8 @@ class Engine:
         self._watch = LossWatch(config.log_every)
         self.report = RunReport(config, topology.is_main)
         """The metric logs (--logger) and the results JSON (--metrics-json)."""
+        self._step_refusal: SetupError | None = None
+        """Why train_step cannot step the optimizer (one that needs a closure), if so."""
         self._stepping = False
         """True inside train_step's optimizer step (which reads the loss before it)."""
         self.grad_norm: torch.Tensor | None = None
@@ -137,6 +140,9 @@ class Engine:
         """
         if self.model is not None:
             raise SetupError("engine.setup was called twice; call it once per Engine.")
+        if optimizer is not None:
+            check_split(optimizer, self.strategy.name, self.strategy.splits_model)
+            self._step_refusal = train_step_refusal(optimizer)
         self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
         self.checkpoints.optimizer = optimizer
@@ -293,6 +299,8 @@ class Engine:
         self._require_setup("engine.train_step")
         if self.optimizer is None:
             raise SetupError("engine.train_step needs an optimizer; pass it to engine.setup.")
+        if self._step_refusal is not None:
+            raise self._step_refusal
         batch = self.to_device(batch)
         k = self.config.grad_accumulation
         total = batch_size(batch)

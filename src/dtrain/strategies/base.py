@@ -155,6 +155,12 @@ class Strategy:
         return self.topology.device
 
     @property
+    def splits_model(self) -> bool:
+        """True if the optimizer each rank steps holds only part of the model or of its
+        state (sharded, pipelined, tensor-parallel, parameter servers)."""
+        return False
+
+    @property
     def micro_splits(self) -> int:
         """How many equal parts one process's batch is further split into (towers, pipeline
         micro-batches)."""

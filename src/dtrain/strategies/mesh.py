@@ -136,6 +136,11 @@ class MeshStrategy(Strategy):
         return microbatches(self.config, self.degrees.pp) if self.pipelined else 1
 
     @property
+    def splits_model(self) -> bool:
+        d = self.degrees
+        return self.shard is not None or d.pp_enabled or d.tp_enabled
+
+    @property
     def grad_norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """Pipeline stages hold different layers: their gradient norms add up."""
         return (self.mesh.group("pp"),) if self.pipelined else ()

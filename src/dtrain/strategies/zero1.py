@@ -28,6 +28,7 @@ class Zero1(DDP):
     name = "zero1"
     state_by_module = False
     order = 30
+    splits_model = True  # type: ignore[assignment]
 
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None

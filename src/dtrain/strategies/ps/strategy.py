@@ -121,6 +121,10 @@ class ParameterServer(Strategy):
         raise ConfigError(NO_CLIPPING)
 
     @property
+    def splits_model(self) -> bool:
+        return True
+
+    @property
     def lockstep(self) -> bool:
         """Only sync rounds without backup workers hold every worker to the same step. In
         async and ssp, and with backup workers, a worker may run ahead of a slower one: a
