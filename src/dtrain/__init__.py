@@ -27,6 +27,7 @@ from dtrain.errors import (
     NonFiniteLossError,
     SetupError,
 )
+from dtrain.launch.notebook import launch
 from dtrain.rng import seed_everything
 from dtrain.strategies import available as available_strategies
 from dtrain.strategies import lookup
@@ -93,4 +94,5 @@ __all__ = [
     "SetupError",
     "available_strategies",
     "init",
+    "launch",
 ]

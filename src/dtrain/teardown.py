@@ -38,6 +38,11 @@ def forget(engine: Closable) -> None:
     _OPEN.discard(engine)
 
 
+def forget_all() -> None:
+    """Leave every open Engine to its owner (a forked child must not close the parent's)."""
+    _OPEN.clear()
+
+
 def close_all() -> None:
     """Close every Engine still open, newest first."""
     for engine in reversed(list(_OPEN)):
