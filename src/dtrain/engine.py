@@ -143,6 +143,7 @@ class Engine:
         if optimizer is not None:
             check_split(optimizer, self.strategy.name, self.strategy.splits_model)
             self._step_refusal = train_step_refusal(optimizer)
+        kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
         self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
         self.checkpoints.optimizer = optimizer
@@ -155,7 +156,7 @@ class Engine:
             + (f" ({layout})" if layout else "")
             + f", device {self.device.type}"
             + (
-                f", {type(optimizer).__name__} lr {', '.join(f'{lr:g}' for lr in lrs)}"
+                f", {kind} lr {', '.join(f'{lr:g}' for lr in lrs)}"
                 if lrs
                 else ""
             )
