@@ -20,19 +20,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 
 from dtrain.batches import LossFn, batch_size, split, to_device
 from dtrain.checkpointing import Checkpoints
 from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config
-from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
 from dtrain.errors import ConfigError, NonFiniteLossError, SetupError
-from dtrain.evaluation import evaluation_sums
+from dtrain.evaluation import evaluation_sums, shortfall
+from dtrain.feeding import Feeder
 from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
-from dtrain.observe.progress import Throughput, track
+from dtrain.observe.progress import Throughput
 from dtrain.observe.report import RunReport
 from dtrain.optimizers import check_split, train_step_refusal
 from dtrain.position import Position
@@ -54,10 +54,17 @@ class Engine:
         self.checkpoints = Checkpoints(strategy, self.position)
         self.throughput = Throughput()
         self._closed = False
-        self._warned_unsharded = False
-        self._told_batch = False
         close_at_exit(self)
         self._watch = LossWatch(config.log_every)
+        self._feeder = Feeder(
+            strategy.dp_size,
+            strategy.dp_rank,
+            strategy.input_device,
+            self.position,
+            self.throughput,
+            self.print,
+            topology.is_main,
+        )
         self.report = RunReport(config, topology.is_main)
         """The metric logs (--logger) and the results JSON (--metrics-json)."""
         self._step_refusal: SetupError | None = None
@@ -155,11 +162,7 @@ class Engine:
             f"dtrain: strategy {self.strategy.name}, {self.world_size} process(es)"
             + (f" ({layout})" if layout else "")
             + f", device {self.device.type}"
-            + (
-                f", {kind} lr {', '.join(f'{lr:g}' for lr in lrs)}"
-                if lrs
-                else ""
-            )
+            + (f", {kind} lr {', '.join(f'{lr:g}' for lr in lrs)}" if lrs else "")
         )
         LOGGER.info(banner)
         self.print(banner)
@@ -201,34 +204,15 @@ class Engine:
                 training; use False for evaluation).
             loader_kwargs: passed to `torch.utils.data.DataLoader` (num_workers, ...).
         """
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise SetupError(
-                f"engine.dataloader shards map-style datasets (with __len__ and "
-                f"__getitem__), and {type(dataset).__name__} is a stream. Shard the stream "
-                "yourself, each worker reading every engine.dp_size-th batch from offset "
-                "engine.strategy.dp_rank (e.g. itertools.islice), and iterate a plain "
-                "DataLoader of per-worker batches; or index the data as a map-style Dataset."
-            )
-        batch_size = per_worker_batch(batch_size, global_batch_size, self.dp_size)
-        sampler = ShardedBatchSampler(
-            len(dataset),  # type: ignore[arg-type]
+        return self._feeder.loader(
+            dataset,
             batch_size,
-            self.dp_size,
-            self.strategy.dp_rank,
-            shuffle=shuffle,
+            global_batch_size,
+            shuffle,
+            drop_last,
             seed=self.config.seed,
-            drop_last=drop_last,
+            **loader_kwargs,
         )
-        if not drop_last or self._told_batch:
-            pass  # evaluation loaders, and training loaders after the first, go unannounced
-        else:
-            self._told_batch = True
-            self.print(
-                f"dtrain: global batch {batch_size * self.dp_size} ({batch_size} per "
-                f"data-parallel worker x {self.dp_size})."
-            )
-        loader_kwargs.setdefault("pin_memory", self.device.type == "cuda")
-        return DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
 
     def progress(
         self, loader: DataLoader, epoch: int = 0, desc: str | None = None
@@ -238,44 +222,11 @@ class Engine:
         Selects the epoch's shuffle, and after `load` skips what the checkpoint had
         already trained (whole epochs, then the batches of the epoch it stopped in).
         """
-        sampler = loader.batch_sampler
-        self._warn_if_unsharded(loader)
-        skip = 0
-        where = self.position
-        if where.resume_at is not None:
-            resume_epoch, resume_samples = where.resume_at
-            if epoch < resume_epoch:
-                return
-            if epoch == resume_epoch and isinstance(sampler, ShardedBatchSampler):
-                skip = resume_samples // sampler.global_batch_size
-            where.resume_at = None
-        per_step = (loader.batch_size or 0) * self.dp_size
-        if isinstance(sampler, ShardedBatchSampler):
-            sampler.set_epoch(epoch, skip=skip)
-            per_step = sampler.global_batch_size
-        where.epoch = epoch
-        batches = len(loader) - skip
-        where.samples_in_epoch = skip * per_step
-        where.samples_per_step = per_step
-        yield from track(
-            loader,
-            total=batches,
-            samples_per_item=per_step,
-            throughput=self.throughput,
-            loss=lambda: self._watch.last,
-            desc=desc or f"epoch {epoch}",
-            enabled=self.is_main,
+        yield from self._feeder.epoch(
+            loader, epoch, desc or f"epoch {epoch}", loss=lambda: self._watch.last
         )
         if self._watch.unread:
             self._read_loss()  # the epoch's last steps, before anything is saved
-
-    def _warn_if_unsharded(self, loader: Any) -> None:
-        """Warn once if the data-parallel workers would all read every sample."""
-        if self._warned_unsharded or (message := unsharded_warning(loader, self.dp_size)) is None:
-            return
-        self._warned_unsharded = True
-        LOGGER.warning(message)
-        self.print(message)
 
     # -- training -------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:
@@ -442,7 +393,9 @@ class Engine:
             loss_fn,
             self.autocast,
             self.topology.device,
-            extra_forwards=self._evaluation_shortfall(loader),
+            extra_forwards=shortfall(loader, self.strategy, self.topology.device)
+            if self.strategy.collective_forward
+            else 0,
         )
         if self.strategy.multiprocess and dist.is_initialized():
             dist.all_reduce(totals, group=self.strategy.dp_group)
@@ -454,19 +407,6 @@ class Engine:
             result["accuracy"] = correct / count
         self.report.log({f"eval/{k}": v for k, v in result.items()}, self.step)
         return result
-
-    def _evaluation_shortfall(self, loader: Iterable[Any]) -> int:
-        """Batches this rank has fewer than the data-parallel rank with the most, where
-        the model's forward is a collective over them (sharded parameters are gathered in
-        forward): a rank without a share of the last, short batch must still take part."""
-        if not (
-            self.strategy.collective_forward and self.dp_size > 1 and hasattr(loader, "__len__")
-        ):
-            return 0
-        count = torch.tensor([len(loader)], device=self.topology.device)  # type: ignore[arg-type]
-        most = count.clone()
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.strategy.dp_group)
-        return int(most.item() - count.item())
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor] | None:

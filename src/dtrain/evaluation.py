@@ -7,9 +7,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dtrain.batches import LossFn, batch_loss, batch_size, call_model, has_own_loss, is_pair
+from dtrain.strategies import Strategy
 
 
 @torch.no_grad()
@@ -76,3 +78,16 @@ def _targets(batch: Any) -> torch.Tensor | None:
         batch[1] if is_pair(batch) else batch.get("labels") if isinstance(batch, Mapping) else None
     )
     return found if isinstance(found, torch.Tensor) else None
+
+
+def shortfall(loader: Iterable[Any], strategy: Strategy, device: torch.device) -> int:
+    """Batches this rank has fewer than the data-parallel rank with the most (a
+    collective over them). Where the model's forward is a collective (sharded parameters
+    are gathered in forward), a rank without a share of the last, short batch must still
+    take part in as many forwards."""
+    if strategy.dp_size == 1 or not hasattr(loader, "__len__"):
+        return 0
+    count = torch.tensor([len(loader)], device=device)  # type: ignore[arg-type]
+    most = count.clone()
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=strategy.dp_group)
+    return int(most.item() - count.item())
