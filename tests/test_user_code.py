@@ -78,3 +78,12 @@ def test_lbfgs_in_a_hand_written_loop_equals_plain_pytorch() -> None:
 
     with dtrain.init(strategy="single") as engine:
         assert_close(run(engine), run(None))
+
+
+def test_a_plan_that_splits_a_layer_torch_cannot_split_is_refused() -> None:
+    from dtrain.parallel.tensor_plan import plan_of
+
+    model = nn.Sequential(nn.Conv1d(2, 4, 1), nn.Linear(4, 4))
+    model.tensor_parallel_plan = lambda degree: {"0": "colwise"}  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match="0, a Conv1d, but the colwise and rowwise styles"):
+        plan_of(model, 2)

@@ -53,9 +53,23 @@ def plan_of(model: nn.Module, degree: int) -> dict[str, ParallelStyle]:
         if not matches:
             raise ConfigError(f"The tensor-parallel plan names {path!r}, which matches no module.")
         for name, module in matches:
+            _check_splittable(name, module, style)
             _check_divisible(type(model).__name__, name, module, style, degree)
         plan[path] = style
     return plan
+
+
+def _check_splittable(name: str, module: nn.Module, style: ParallelStyle) -> None:
+    """torch's column and row styles split Linear and Embedding layers only."""
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(
+        module, (nn.Linear, nn.Embedding)
+    ):
+        raise ConfigError(
+            f"The tensor-parallel plan splits {name}, a {type(module).__name__}, but the "
+            "colwise and rowwise styles split only nn.Linear and nn.Embedding layers. Name "
+            "the Linear layers inside it instead, leave it out of the plan, or give a "
+            "ParallelStyle of your own for it."
+        )
 
 
 def _check_divisible(
