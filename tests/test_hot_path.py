@@ -18,10 +18,13 @@ from dtrain.models.digits import DigitsMLP
 STEPS = 50
 
 
-def count_reads(strategy: str, log_every: int = 10) -> int:
+def count_reads(strategy: str, log_every: int = 10, clip_grad_norm: float | None = None) -> int:
     """Host reads of tensors (`.item()`, `.tolist()`) inside `engine.train_step` over a
-    50-step loop (the loader's own reads of CPU index tensors, once per epoch, aside)."""
-    engine = dtrain.init(strategy=strategy, seed=0, log_every=log_every)
+    50-step loop (the loader's own reads of CPU index tensors, once per epoch, aside),
+    clipping the gradient norm if asked (which must not read it back)."""
+    engine = dtrain.init(
+        strategy=strategy, seed=0, log_every=log_every, clip_grad_norm=clip_grad_norm
+    )
     model = DigitsMLP(hidden=16)
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
     train_set, _ = load_digits()
@@ -54,12 +57,15 @@ def count_reads(strategy: str, log_every: int = 10) -> int:
 def test_single_reads_the_loss_once_per_log_interval() -> None:
     assert count_reads("single") == STEPS // 10
     assert count_reads("single", log_every=25) == STEPS // 25
+    assert count_reads("single", clip_grad_norm=0.5) == STEPS // 10  # the norm stays put
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_two_processes_read_the_loss_once_per_log_interval(strategy: str) -> None:
-    assert run_ranks(count_reads, 2, strategy) == [STEPS // 10] * 2
+@pytest.mark.parametrize(("strategy", "clip"), [("ddp", None), ("zero3", 0.5)])
+def test_two_processes_read_the_loss_once_per_log_interval(
+    strategy: str, clip: float | None
+) -> None:
+    assert run_ranks(count_reads, 2, strategy, 10, clip) == [STEPS // 10] * 2
 
 
 def nan_at_step_three(tmp: Path) -> tuple[str, bool]:
