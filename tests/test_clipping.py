@@ -1,6 +1,7 @@
 """Gradient clipping by the global norm clips exactly as one process does, under every
-strategy: with a bound that clips every step, the parameters after a few steps equal those
-of `single`, which equal a plain loop with torch's own ``clip_grad_norm_``."""
+strategy (and hsdp trains as one process does, with and without clipping): with a bound
+that clips every step, the parameters after a few steps equal those of `single`, which
+equal a plain loop with torch's own ``clip_grad_norm_``."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ WORLD_2 = ("ddp", "zero1", "zero2", "zero3", "pipeline", "tensor")
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, torch.Tensor]:
-    """`single` with clipping; checked against torch's clip_grad_norm_ and against no clip."""
+def references() -> dict[str, dict[str, torch.Tensor]]:
+    """`single` with clipping (checked against torch's clip_grad_norm_) and without."""
     clipped = train(strategy="single", clip_grad_norm=BOUND, **RUN)
     by_torch = train(strategy="single", manual=True, torch_clip=BOUND, **RUN)
     assert_close(clipped, by_torch)
     unclipped = train(strategy="single", **RUN)
     assert any(not torch.allclose(clipped[k], unclipped[k]) for k in clipped), "never clipped"
-    return clipped
+    return {"clipped": clipped, "unclipped": unclipped}
+
+
+@pytest.fixture(scope="module")
+def reference(references: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return references["clipped"]
 
 
 @pytest.mark.timeout(120)
@@ -44,9 +50,14 @@ def test_two_process_strategies_clip_as_single(reference: dict[str, torch.Tensor
 
 
 @pytest.mark.timeout(300)
-def test_four_process_layouts_clip_as_single(reference: dict[str, torch.Tensor]) -> None:
-    """Pipeline x tensor stages, and data-parallel replicas of tensor shards."""
+def test_four_process_layouts_clip_as_single(
+    references: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """Pipeline x tensor stages, data-parallel replicas of tensor shards, and hsdp (two
+    replicas of a model sharded over two ranks), which also trains as single unclipped."""
     variants = [
+        {"strategy": "hsdp", "shard_size": 2, **RUN},
+        {"strategy": "hsdp", "shard_size": 2, "clip_grad_norm": BOUND, **RUN},
         {"strategy": "hybrid", "pp": 2, "tp": 2, "clip_grad_norm": BOUND, **RUN},
         {
             "strategy": "hybrid",
@@ -59,10 +70,23 @@ def test_four_process_layouts_clip_as_single(reference: dict[str, torch.Tensor])
     ]
     results = run_ranks(train_variants, 4, variants, timeout=280)[0]
     for variant, params in zip(variants, results, strict=True):
-        assert_close(params, reference, msg=lambda m, v=variant: f"{v}: {m}")
+        expected = references["clipped" if "clip_grad_norm" in variant else "unclipped"]
+        assert_close(params, expected, msg=lambda m, v=variant: f"{v}: {m}")
 
 
 def test_a_bound_that_is_not_positive_is_refused() -> None:
     for bound in (0.0, -1.0):
         with pytest.raises(ConfigError, match="--clip-grad-norm must be positive"):
             dtrain.Config(clip_grad_norm=bound)
+
+
+def test_hsdp_shard_groups_must_divide_the_processes() -> None:
+    from dtrain.strategies import lookup
+
+    hsdp = lookup("hsdp")
+    assert hsdp.layout(dtrain.Config(strategy="hsdp", nproc=2, nnodes=2, master="h:1"), 4).dp == 4
+    for size in (1, 3):
+        with pytest.raises(ConfigError, match="at least 2 and divide the 4 processes"):
+            hsdp.layout(dtrain.Config(strategy="hsdp", shard_size=size), 4)
+    with pytest.raises(ConfigError, match="--shard-size sets the shard groups"):
+        dtrain.Config(strategy="zero3", shard_size=2)

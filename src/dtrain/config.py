@@ -132,6 +132,11 @@ class Config:
         None, "Tensor-parallel ranks per layer (tensor, hybrid; default: --nproc for tensor)."
     )
     dp: int | None = option(None, "Data-parallel replicas (hybrid; default: --nproc / (pp x tp)).")
+    shard_size: int | None = option(
+        None,
+        "hsdp: ranks that shard each replica's state (default: the processes of one "
+        "machine, --nproc); the groups of them replicate across machines.",
+    )
     dp_mode: str = option(
         "ddp", "How hybrid's data-parallel replicas synchronise: ddp, zero2 or zero3."
     )
@@ -220,6 +225,11 @@ class Config:
             raise ConfigError(
                 "--master names node 0's rendezvous for a multi-node job, but --nnodes is 1 "
                 "(one machine picks a free local port itself); drop --master, or give --nnodes."
+            )
+        if self.shard_size is not None and self.strategy != "hsdp":
+            raise ConfigError(
+                f"--shard-size sets the shard groups of --strategy hsdp, which --strategy "
+                f"{self.strategy} does not use; use --strategy hsdp, or drop --shard-size."
             )
         self._validate_ps()
         self._validate_model_parallel()

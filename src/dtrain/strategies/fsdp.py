@@ -15,6 +15,7 @@ mesh strategies: ``dp_shard = world size``; the sharding itself is
 from __future__ import annotations
 
 from dtrain.config import Config
+from dtrain.errors import ConfigError
 from dtrain.parallel.degrees import Degrees
 from dtrain.strategies.base import register
 from dtrain.strategies.mesh import MeshStrategy
@@ -46,3 +47,27 @@ class Zero3(FullyShardedBase):
     order = 32
     reshard_after_forward = True
     supports_cpu_offload = True
+
+
+@register
+class HSDP(Zero3):
+    """Hybrid sharded data parallel: FSDP2 on a 2-D mesh, each replica's state sharded over
+    `--shard-size` ranks (default: one machine's processes) and the shard groups
+    replicating one another. Shards talk over the fast links inside a machine (gathers,
+    reduce-scatters); across machines only the gradient all-reduce of each shard goes."""
+
+    name = "hsdp"
+    aliases = ()
+    order = 33
+
+    @classmethod
+    def layout(cls, config: Config, world_size: int) -> Degrees:
+        size = config.shard_size or config.nproc
+        if size < 2 or world_size % size:
+            raise ConfigError(
+                f"--strategy hsdp shards each replica over --shard-size ranks, which must be "
+                f"at least 2 and divide the {world_size} processes; got {size}. Pick a "
+                "divisor such as the processes of one machine (--nproc), or use --strategy "
+                "ddp for plain replicas."
+            )
+        return Degrees(dp_replicate=world_size // size, dp_shard=size)
