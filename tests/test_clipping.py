@@ -54,8 +54,10 @@ def test_four_process_layouts_clip_as_single(
     references: dict[str, dict[str, torch.Tensor]],
 ) -> None:
     """Pipeline x tensor stages, data-parallel replicas of tensor shards, and hsdp (two
-    replicas of a model sharded over two ranks), which also trains as single unclipped."""
+    replicas of a model sharded over two ranks), which also trains as single unclipped,
+    as does ddp averaging inside two machines of two ranks first (--hierarchical)."""
     variants = [
+        {"strategy": "ddp", "hierarchical": True, "nproc": 2, **RUN},  # 2 machines x 2
         {"strategy": "hsdp", "shard_size": 2, **RUN},
         {"strategy": "hsdp", "shard_size": 2, "clip_grad_norm": BOUND, **RUN},
         {"strategy": "hybrid", "pp": 2, "tp": 2, "clip_grad_norm": BOUND, **RUN},
@@ -90,3 +92,5 @@ def test_hsdp_shard_groups_must_divide_the_processes() -> None:
             hsdp.layout(dtrain.Config(strategy="hsdp", shard_size=size), 4)
     with pytest.raises(ConfigError, match="--shard-size sets the shard groups"):
         dtrain.Config(strategy="zero3", shard_size=2)
+    with pytest.raises(ConfigError, match="--hierarchical arranges ddp's gradient all-reduce"):
+        dtrain.Config(strategy="zero3", hierarchical=True)

@@ -49,6 +49,11 @@ class Config:
         1, "Micro-batches per optimizer step; gradients are synchronised once per step."
     )
     sync_batchnorm: bool = option(False, "Convert BatchNorm layers to SyncBatchNorm (ddp).")
+    hierarchical: bool = option(
+        False,
+        "ddp: average gradients inside each machine, then across machines (one leader per "
+        "machine), then back inside: fewer bytes on the links between machines.",
+    )
     precision: str = option(
         "fp32", "fp32, or bf16-mixed (bf16 compute, fp32 master weights and reductions)."
     )
@@ -225,6 +230,12 @@ class Config:
             raise ConfigError(
                 "--master names node 0's rendezvous for a multi-node job, but --nnodes is 1 "
                 "(one machine picks a free local port itself); drop --master, or give --nnodes."
+            )
+        if self.hierarchical and self.strategy != "ddp":
+            raise ConfigError(
+                f"--hierarchical arranges ddp's gradient all-reduce by machine, which "
+                f"--strategy {self.strategy} does not run; use --strategy ddp (or hsdp, which "
+                "shards inside a machine and replicates across), or drop --hierarchical."
             )
         if self.shard_size is not None and self.strategy != "hsdp":
             raise ConfigError(

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import ConfigError
+from dtrain.parallel.hierarchical import HostGroups, hierarchical_hook
 
 OFFLOAD_NEEDS_GPUS = (
     "--cpu-offload moves sharded parameters, gradients and optimizer state from the GPUs to "
@@ -68,15 +69,22 @@ class ShardOptions:
 
 
 def apply_ddp(
-    model: nn.Module, group: dist.ProcessGroup, device: torch.device
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    hosts: HostGroups | None = None,
 ) -> DistributedDataParallel:
     """`model` replicated over `group` with DistributedDataParallel (broadcasts rank 0's
-    parameters at construction, so the replicas start equal)."""
-    return DistributedDataParallel(
+    parameters at construction, so the replicas start equal); with `hosts`, gradients are
+    averaged machine by machine (`dtrain.parallel.hierarchical`)."""
+    wrapped = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
     )
+    if hosts is not None:
+        wrapped.register_comm_hook(hosts, hierarchical_hook)
+    return wrapped
 
 
 def apply_replicate(

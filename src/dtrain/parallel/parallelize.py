@@ -24,6 +24,7 @@ from torch import nn
 from dtrain.config import Config
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import ParallelMesh
+from dtrain.parallel.hierarchical import host_groups
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
 from dtrain.parallel.split import Stage, layers_of, split_layers
 from dtrain.parallel.tensor_plan import apply_tp, plan_of
@@ -102,7 +103,8 @@ def parallelize(
     elif d.dp_enabled and (stages or plan is not None):
         apply_replicate(units, _blocks(units, config), mesh.dp_mesh)
     elif d.dp_enabled:
-        wrapped = apply_ddp(model, mesh.dp_group, device)
+        hosts = host_groups(d.dp, config.nproc) if config.hierarchical else None
+        wrapped = apply_ddp(model, mesh.dp_group, device, hosts)
     if not stages:
         return Parallelized(wrapped, local)
     # 5. pp: the schedule over the wrapped stages.
