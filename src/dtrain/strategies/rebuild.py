@@ -77,6 +77,22 @@ def restate(
     return new
 
 
+def has_stepped(optimizer: Optimizer) -> bool:
+    """True once `optimizer` has taken a step (Adagrad fills its state at construction,
+    with step 0: that state is rebuilt alike wherever the parameters go)."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is None or float(step) > 0:
+            return True
+    return False
+
+
+NOT_FRESH = (
+    "The optimizer has already taken steps; call engine.setup before training, and load a "
+    "checkpoint with engine.load afterwards."
+)
+
+
 def repoint(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> Optimizer:
     """`optimizer` itself, its group i now holding `model`'s parameters called `names[i]`
     (sharded DTensors, or a pipeline stage's subset); every setting is kept.
@@ -86,11 +102,8 @@ def repoint(optimizer: Optimizer, names: list[list[str]], model: nn.Module) -> O
     optimizer in its place would leave a scheduler driving one that no longer steps. The
     optimizer must have no state yet.
     """
-    if optimizer.state:
-        raise ConfigError(
-            "The optimizer has already taken steps; call engine.setup before training, and "
-            "load a checkpoint with engine.load afterwards."
-        )
+    if has_stepped(optimizer):
+        raise ConfigError(NOT_FRESH)
     by_name = dict(model.named_parameters())
     for group, group_names in zip(optimizer.param_groups, names, strict=True):
         group["params"] = [by_name[n] for n in group_names]

@@ -15,10 +15,10 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from dtrain.errors import SetupError
+from dtrain.errors import ConfigError, SetupError
 from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.ddp import DDP
-from dtrain.strategies.rebuild import constructor_kwargs
+from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped
 
 
 @register
@@ -35,8 +35,8 @@ class Zero1(DDP):
     ) -> tuple[nn.Module, Optimizer | None]:
         if optimizer is None:
             raise SetupError("Strategy zero1 shards the optimizer; pass one to engine.setup.")
-        if optimizer.state:
-            raise SetupError("Call engine.setup before the optimizer takes its first step.")
+        if has_stepped(optimizer):
+            raise ConfigError(NOT_FRESH)
         wrapped, _ = super().setup(model, None)
         first, *rest = optimizer.param_groups
         sharded = ZeroRedundancyOptimizer(

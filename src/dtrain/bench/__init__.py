@@ -1,0 +1,1 @@
+"""`dtrain bench`: measurements run side by side (collective bandwidth, ...)."""
