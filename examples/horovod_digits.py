@@ -56,7 +56,9 @@ def main() -> None:
     train_sampler = DistributedSampler(
         train_set, num_replicas=hvd.size(), rank=hvd.rank(), seed=args.seed
     )
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)
+    # With several batches per all-reduce, each loader batch is cut into that many parts.
+    allreduce_batch = args.batch_size * args.batches_per_allreduce
+    train_loader = DataLoader(train_set, batch_size=allreduce_batch, sampler=train_sampler)
     test_sampler = DistributedSampler(
         test_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=False
     )
@@ -81,14 +83,18 @@ def main() -> None:
     for epoch in range(1, args.epochs + 1):
         model.train()
         train_sampler.set_epoch(epoch)
-        for step, (images, labels) in enumerate(train_loader):
+        for images, labels in train_loader:
             images, labels = images.to(device), labels.to(device)
-            loss = F.cross_entropy(model(images), labels) / args.batches_per_allreduce
-            loss.backward()
-            if (step + 1) % args.batches_per_allreduce == 0:
-                optimizer.step()
-                optimizer.zero_grad()
-        loss_avg = metric_average(loss.item() * args.batches_per_allreduce, "train_loss")
+            size = args.batch_size
+            parts = list(zip(images.split(size), labels.split(size), strict=True))
+            total = 0.0
+            for part_images, part_labels in parts:
+                loss = F.cross_entropy(model(part_images), part_labels) / len(parts)
+                loss.backward()
+                total += loss.item()
+            optimizer.step()
+            optimizer.zero_grad()
+        loss_avg = metric_average(total, "train_loss")
         if hvd.rank() == 0:
             print(f"epoch {epoch}: train loss {loss_avg:.4f}", flush=True)
 

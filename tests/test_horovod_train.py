@@ -62,7 +62,9 @@ def _reference(make_optimizer, micro: int, clip: float | None) -> dict[str, torc
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _horovod_script(make_optimizer, passes: int, clip: float | None) -> dict[str, torch.Tensor]:
+def _horovod_script(
+    make_optimizer, passes: int, clip: float | None, groups: int | None = None
+) -> dict[str, torch.Tensor]:
     """The same training, written as a Horovod script: every rank its half of each batch."""
     torch.manual_seed(hvd.rank())  # different starting points until the broadcast
     model = DigitsMLP(hidden=16)
@@ -76,7 +78,10 @@ def _horovod_script(make_optimizer, passes: int, clip: float | None) -> dict[str
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=passes
+        optimizer,
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=passes,
+        groups=groups,
     )
     assert isinstance(optimizer, torch.optim.Optimizer)
     assert optimizer.param_groups is scheduler.optimizer.param_groups
@@ -105,7 +110,26 @@ def _horovod_script(make_optimizer, passes: int, clip: float | None) -> dict[str
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _train_three_ways() -> list[dict[str, torch.Tensor]]:
+def _check_sparse_gradients(sparse_as_dense: bool) -> None:
+    """Rank k looks up rows k and k+1 of a sparse embedding: the reduced gradient is the
+    average of every rank's, sparse, whether sent as indices and values or dense."""
+    n, k = hvd.size(), hvd.rank()
+    embedding = torch.nn.Embedding(n + 1, 2, sparse=True)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(embedding.parameters(), lr=1.0), sparse_as_dense=sparse_as_dense
+    )
+    embedding(torch.tensor([k, k + 1])).sum().backward()
+    optimizer.synchronize()
+    expected = torch.zeros(n + 1, 2)
+    for other in range(n):
+        expected[other : other + 2] += 1.0 / n
+    assert embedding.weight.grad.is_sparse
+    assert_close(embedding.weight.grad.to_dense(), expected)
+    with optimizer.skip_synchronize():
+        optimizer.step()
+
+
+def _train_four_ways() -> list[dict[str, torch.Tensor]]:
     torch.set_num_threads(1)
     hvd.init()
     with warnings.catch_warnings():
@@ -114,7 +138,10 @@ def _train_three_ways() -> list[dict[str, torch.Tensor]]:
             _horovod_script(_sgd, passes=1, clip=None),
             _horovod_script(_sgd, passes=2, clip=0.5),
             _horovod_script(_adam, passes=2, clip=None),
+            _horovod_script(_sgd, passes=1, clip=None, groups=2),
         ]
+    _check_sparse_gradients(sparse_as_dense=False)
+    _check_sparse_gradients(sparse_as_dense=True)
     hvd.shutdown()
     return results
 
@@ -125,8 +152,9 @@ def test_distributed_optimizer_on_two_ranks_equals_one_process_on_the_global_bat
         _reference(_sgd, micro=1, clip=None),
         _reference(_sgd, micro=4, clip=0.5),
         _reference(_adam, micro=4, clip=None),
+        _reference(_sgd, micro=1, clip=None),
     ]
-    per_rank = run_ranks(_train_three_ways, 2, timeout=150)
+    per_rank = run_ranks(_train_four_ways, 2, timeout=150)
     for rank_results in per_rank:
         for got, want in zip(rank_results, expected, strict=True):
             assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -135,7 +163,7 @@ def test_distributed_optimizer_on_two_ranks_equals_one_process_on_the_global_bat
 @pytest.mark.timeout(240)
 def test_horovodrun_trains_the_digits_example() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DTRAIN_CONFIG", "RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env["PYTHONPATH"] = str(ROOT / "src")
     command = [sys.executable, "-m", "dtrain.horovod.run", "-np", "2", "-H", "localhost:2"]
     command += ["python", "examples/horovod_digits.py", "--epochs", "3"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)

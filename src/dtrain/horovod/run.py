@@ -42,7 +42,6 @@ _REFUSED = {
     "horovodrun's output (horovodrun ... > log.txt 2>&1).",
 }
 _ACCEPTED_KNOBS = {
-    "fusion_threshold_mb": "HOROVOD_FUSION_THRESHOLD",
     "cycle_time_ms": "HOROVOD_CYCLE_TIME",
     "cache_capacity": "HOROVOD_CACHE_CAPACITY",
     "log_level": "HOROVOD_LOG_LEVEL",
@@ -179,6 +178,8 @@ def _environment(args: argparse.Namespace, nproc: int, host: Host | None) -> dic
         value = getattr(args, key)
         if value is not None:
             env[name] = str(value)
+    if args.fusion_threshold_mb is not None:  # the variable counts bytes, the flag MiB
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
     return {k: v for k, v in env.items() if v}
 
 
