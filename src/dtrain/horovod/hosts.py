@@ -54,9 +54,7 @@ def parse_hostfile(path: str) -> list[Host]:
         if rest:
             key, _, value = rest.partition("=")
             if key.strip() != "slots" or not value.strip().isdigit() or int(value) < 1:
-                raise ConfigError(
-                    f"{where}: expected 'HOST slots=N' with a positive N, got {text!r}."
-                )
+                raise ConfigError(f"{where}: write 'HOST slots=N' with a positive N, not {text!r}.")
             hosts.append(Host(name, int(value)))
         else:
             hosts.append(_host(name, where))

@@ -400,7 +400,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         )
     if backward_passes_per_step < 1:
         raise HorovodUsageError(
-            f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}."
+            f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}; "
+            "pass 1 to reduce after every backward pass."
         )
     if isinstance(optimizer, _DistributedOptimizer):
         raise HorovodUsageError(

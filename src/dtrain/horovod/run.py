@@ -19,6 +19,8 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
+
 from dtrain.config import Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.horovod import basics
@@ -95,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _refuse(args: argparse.Namespace) -> None:
     for key, message in _REFUSED.items():
-        if getattr(args, key):
+        if getattr(args, key) not in (None, False):
             raise ConfigError(message)
-    if args.max_np or args.host_discovery_script or args.slots_per_host:
+    elastic = (args.max_np, args.host_discovery_script, args.slots_per_host)
+    if any(value is not None for value in elastic):
         raise ConfigError(_REFUSED["min_np"])
 
 
@@ -152,7 +155,14 @@ def _processes(args: argparse.Namespace, host: Host | None) -> int:
             )
         return host.slots
     if args.np < 1:
-        raise ConfigError(f"-np must be at least 1, got {args.np}.")
+        raise ConfigError(f"-np must be at least 1, got {args.np}; pass the number of processes.")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and args.np > gpus:
+        raise ConfigError(
+            f"-np {args.np} asks for more processes than the {gpus} visible GPU(s), and Horovod "
+            "scripts pin one GPU per process (hvd.local_rank()); lower -np, or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to train on the CPU."
+        )
     if host is not None and args.np > host.slots:
         raise ConfigError(
             f"-np {args.np} asks for more processes than the {host.slots} slot(s) {host.name} "
@@ -220,7 +230,7 @@ def run(args: argparse.Namespace) -> None:
     if args.timeline_filename:
         print(
             f"horovodrun: no timeline is written to {args.timeline_filename} yet; the run goes "
-            "on without one.",
+            "on without one (drop --timeline-filename to silence this).",
             file=sys.stderr,
         )
     saved = dict(os.environ)
