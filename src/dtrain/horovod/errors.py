@@ -1,0 +1,31 @@
+"""The errors `dtrain.horovod` raises, typed as Horovod's are so that scripts catching
+them keep working: a call before `init()` is a ValueError, a refused feature a
+NotImplementedError, a failed collective a `HorovodInternalError` (a RuntimeError)."""
+
+from __future__ import annotations
+
+from dtrain.errors import DtrainError
+
+
+class NotInitializedError(DtrainError, ValueError):
+    """A Horovod call that needs the process group came before `hvd.init()`."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"hvd.{what}() needs Horovod's process group, which is not set up yet; call "
+            "hvd.init() once at the start of the script, before any other hvd call."
+        )
+
+
+class HorovodUsageError(DtrainError, ValueError):
+    """An argument Horovod's API does not accept (an unknown op, mismatched shapes...)."""
+
+
+class UnsupportedError(DtrainError, NotImplementedError):
+    """A Horovod feature this version of dtrain does not offer; the message says what to
+    use instead."""
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (a peer died, a timeout passed); Horovod's elastic scripts
+    catch this name."""

@@ -1,0 +1,186 @@
+"""Horovod's helpers built on the collectives: `broadcast_parameters`,
+`broadcast_optimizer_state`, `broadcast_object` and `allgather_object`."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from dtrain.horovod import basics, process_sets
+from dtrain.horovod.allgather import start as start_allgather
+from dtrain.horovod.broadcast import start as start_broadcast
+from dtrain.horovod.errors import HorovodUsageError
+from dtrain.horovod.handles import Handle
+from dtrain.horovod.process_sets import ProcessSet, global_process_set
+
+try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - depends on the environment
+    _pickler = pickle  # type: ignore[assignment]
+
+
+def _tensors_of(params: object) -> list[tuple[str | None, torch.Tensor]]:
+    """(name, tensor) pairs in an order every process agrees on."""
+    if isinstance(params, Mapping):
+        pairs = sorted(params.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        pairs = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise HorovodUsageError(
+            f"hvd.broadcast_parameters takes a state_dict, a list of (name, tensor) pairs or "
+            f"a list of tensors, got {type(params).__name__}; pass model.state_dict() or "
+            "list(model.named_parameters())."
+        )
+    for name, t in pairs:
+        if not isinstance(t, torch.Tensor):
+            raise HorovodUsageError(
+                f"hvd.broadcast_parameters: {name or 'an entry'} is a {type(t).__name__}, not a "
+                "tensor; pass only tensors (model.state_dict() holds only tensors)."
+            )
+    return [(None if n is None else str(n), t) for n, t in pairs]
+
+
+def _broadcast_fused(tensors: list[torch.Tensor], root_rank: int, what: str) -> None:
+    """Overwrite `tensors` with root's, one collective per dtype and device type (the
+    buckets must line up on every process, so they never depend on a device index)."""
+    buckets: dict[tuple[torch.dtype, str], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device.type), []).append(t)
+    pending: list[tuple[list[torch.Tensor], Handle]] = []
+    with torch.no_grad():
+        for members in buckets.values():
+            home = members[0].device
+            flat = torch.cat([t.detach().reshape(-1).to(home) for t in members])
+            pending.append((members, start_broadcast(flat, root_rank, what, None)))
+        for members, handle in pending:
+            flat, offset = handle.wait(), 0
+            for t in members:
+                n = t.numel()
+                t.detach().copy_(flat[offset : offset + n].view(t.shape))
+                offset += n
+
+
+def broadcast_parameters(params: object, root_rank: int) -> None:
+    """Overwrite every process's parameters with `root_rank`'s, in place.
+
+    Args:
+        params: ``model.state_dict()``, ``model.named_parameters()`` (or a list of
+            (name, tensor) pairs), or a list of tensors; the same structure on every process.
+        root_rank: the process whose values everyone takes.
+    """
+    basics.context("broadcast_parameters")
+    pairs = _tensors_of(params)
+    _broadcast_fused([t for _, t in pairs], root_rank, "broadcast_parameters")
+
+
+def broadcast_object(
+    obj: Any = None,
+    root_rank: int = 0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """`root_rank`'s `obj`, pickled there and returned on every process (root gets its own
+    object back)."""
+    ctx = basics.context("broadcast_object")
+    process_sets.check(process_set)
+    label = name or type(obj).__name__
+    if ctx.rank == root_rank:
+        payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    start_broadcast(length, root_rank, "broadcast_object", f"{label}.size").wait()
+    if ctx.rank != root_rank:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    start_broadcast(payload, root_rank, "broadcast_object", f"{label}.bytes").wait()
+    return obj if ctx.rank == root_rank else pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
+    """Every process's `obj`, in rank order (each pickled where it lives)."""
+    basics.context("allgather_object")
+    process_sets.check(process_set)
+    payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
+    handle, rows = start_allgather([payload], "allgather_object", name or type(obj).__name__)
+    gathered = handle.wait()[0]
+    objects, offset = [], 0
+    for n in rows[0]:
+        objects.append(pickle.loads(gathered[offset : offset + n].numpy().tobytes()))
+        offset += n
+    return objects
+
+
+def _describe_state(state: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Root's optimizer state with every tensor replaced by ("tensor", shape, dtype,
+    device type)."""
+    return {
+        index: {
+            key: ("tensor", tuple(v.shape), v.dtype, v.device.type)
+            if isinstance(v, torch.Tensor)
+            else ("value", v)
+            for key, v in entry.items()
+        }
+        for index, entry in state.items()
+    }
+
+
+def _local_device(device_type: str) -> torch.device:
+    """This process's device of `device_type` (its current GPU for "cuda")."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every process `root_rank`'s optimizer state and hyperparameters (learning
+    rate, momentum, ... of every parameter group).
+
+    Root first announces the layout of its state (keys, shapes, dtypes, and the values
+    that are not tensors); the other processes make room for it, the tensors follow in
+    fused broadcasts, and the others load the result with ``load_state_dict``. No
+    optimizer step is taken and no parameter changes; an optimizer that has not stepped
+    yet on root leaves every process with a fresh one carrying root's hyperparameters.
+    """
+    ctx = basics.context("broadcast_optimizer_state")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise HorovodUsageError(
+            f"hvd.broadcast_optimizer_state takes a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; pass the optimizer itself."
+        )
+    mine = optimizer.state_dict()
+    layout = (
+        (_describe_state(mine["state"]), mine["param_groups"]) if ctx.rank == root_rank else None
+    )
+    described, groups = broadcast_object(layout, root_rank, "optimizer.layout")
+    received: dict[int, dict[str, Any]] = {}
+    tensors: list[torch.Tensor] = []
+    for index in sorted(described):
+        received[index] = {}
+        for key in sorted(described[index], key=str):
+            kind, *rest = described[index][key]
+            if kind == "value":
+                received[index][key] = rest[0]
+                continue
+            if ctx.rank == root_rank:
+                tensor = mine["state"][index][key]
+            else:
+                shape, dtype, device_type = rest
+                tensor = torch.empty(shape, dtype=dtype, device=_local_device(device_type))
+            received[index][key] = tensor
+            tensors.append(tensor)
+    _broadcast_fused(tensors, root_rank, "broadcast_optimizer_state")
+    if ctx.rank == root_rank:
+        return
+    try:
+        optimizer.load_state_dict({"state": received, "param_groups": groups})
+    except (ValueError, KeyError) as e:
+        raise HorovodUsageError(
+            f"hvd.broadcast_optimizer_state: rank {ctx.rank}'s optimizer does not fit rank "
+            f"{root_rank}'s state ({e}); build the same model and optimizer, with the same "
+            "parameter groups, on every process."
+        ) from None

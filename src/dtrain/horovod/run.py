@@ -1,0 +1,278 @@
+"""``horovodrun``: Horovod's launcher, on dtrain's.
+
+    horovodrun -np N [-H localhost:N | --hostfile F] [-p PORT] [-i KEY] python script.py ARGS
+
+It starts N processes on this machine through dtrain's launcher (torch's elastic agent,
+which names a failing rank with its traceback and stops the others), each running the
+script after setting Horovod's variables (HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK,
+HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK, HOROVOD_CROSS_SIZE, HOROVOD_HOSTNAME). Hosts other
+than this machine are refused for now, as are MPI and elastic runs; each refusal says what
+to use instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from dtrain.config import Config
+from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
+from dtrain.horovod import basics
+from dtrain.horovod.hosts import Host, parse_hostfile, parse_hosts, this_machine
+from dtrain.launch.runner import Target, launch
+
+API_VERSION = "0.28.1"
+"""The Horovod release whose command line and PyTorch API this follows."""
+
+_PYTHON = re.compile(r"python[0-9.]*(\.exe)?$")
+_PYTHON_SWITCHES = {"-u", "-B", "-E", "-s", "-S", "-O", "-OO", "-I", "-q"}
+_REFUSED = {
+    "mpi": "--mpi asks for MPI, which dtrain does not use; drop it (dtrain runs on gloo, and "
+    "NCCL on GPUs, like horovodrun --gloo).",
+    "jsrun": "--jsrun asks for IBM's jsrun, which dtrain does not use; drop it to launch "
+    "with dtrain's launcher.",
+    "min_np": "Elastic runs (--min-np, --max-np, --host-discovery-script, --slots-per-host) "
+    "are not supported yet; drop those flags and give -np, or use `dtrain run "
+    "--max-restarts R` to restart a failed job from its last checkpoint.",
+    "output_filename": "--output-filename is not supported yet; drop it and redirect "
+    "horovodrun's output (horovodrun ... > log.txt 2>&1).",
+}
+_ACCEPTED_KNOBS = {
+    "cycle_time_ms": "HOROVOD_CYCLE_TIME",
+    "cache_capacity": "HOROVOD_CACHE_CAPACITY",
+    "log_level": "HOROVOD_LOG_LEVEL",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """horovodrun's command line (the flags Horovod's users pass, and the command)."""
+    parser = argparse.ArgumentParser(
+        prog="horovodrun",
+        description="Run a Horovod training script on dtrain: N processes on this machine.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("-v", "--version", action="store_true", help="Print the version.")
+    parser.add_argument("-np", "--num-proc", type=int, dest="np", help="Processes to start.")
+    parser.add_argument("-H", "--hosts", help="host:slots,... (this machine only for now).")
+    parser.add_argument("--hostfile", help="File of 'HOST slots=N' lines (this machine only).")
+    parser.add_argument("-p", "--ssh-port", type=int, help="SSH port (unused on one machine).")
+    parser.add_argument("-i", "--ssh-identity-file", help="SSH key (unused on one machine).")
+    parser.add_argument(
+        "--start-timeout", type=int, help="Seconds the processes may take to start (accepted)."
+    )
+    parser.add_argument(
+        "--gloo-timeout-seconds",
+        type=float,
+        help="Seconds a collective may wait before the job is reported hung (default 600).",
+    )
+    parser.add_argument("--gloo", action="store_true", help="Use gloo (always the case).")
+    parser.add_argument("--mpi", action="store_true", help="Refused: dtrain has no MPI.")
+    parser.add_argument("--jsrun", action="store_true", help="Refused: dtrain has no jsrun.")
+    parser.add_argument(
+        "--network-interface", "--network-interfaces", dest="nics", help="Accepted; unused."
+    )
+    parser.add_argument("--verbose", action="store_true", help="Accepted.")
+    parser.add_argument("--disable-cache", action="store_true", help="Accepted.")
+    parser.add_argument("--check-build", action="store_true", help="Print what is supported.")
+    parser.add_argument("--log-level", help="Sets HOROVOD_LOG_LEVEL for the processes.")
+    parser.add_argument("--fusion-threshold-mb", type=float, help="Accepted; no effect yet.")
+    parser.add_argument("--cycle-time-ms", type=float, help="Accepted; no effect yet.")
+    parser.add_argument("--cache-capacity", type=int, help="Accepted; no effect yet.")
+    parser.add_argument("--timeline-filename", help="Accepted; no timeline is written yet.")
+    parser.add_argument("--output-filename", help="Refused for now.")
+    for flag in ("--min-np", "--max-np", "--slots-per-host"):
+        parser.add_argument(flag, type=int, help="Refused: elastic runs come later.")
+    parser.add_argument("--host-discovery-script", help="Refused: elastic runs come later.")
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="The command: python script.py [ARGS...]"
+    )
+    return parser
+
+
+def _refuse(args: argparse.Namespace) -> None:
+    for key, message in _REFUSED.items():
+        if getattr(args, key) not in (None, False):
+            raise ConfigError(message)
+    elastic = (args.max_np, args.host_discovery_script, args.slots_per_host)
+    if any(value is not None for value in elastic):
+        raise ConfigError(_REFUSED["min_np"])
+
+
+def target_of(command: list[str]) -> Target:
+    """What each process runs: ``python SCRIPT ARGS``, ``python -m MODULE ARGS`` or
+    ``SCRIPT ARGS`` (the interpreter is always the one horovodrun runs in)."""
+    words = list(command)
+    if words and words[0] == "--":
+        words.pop(0)
+    if not words:
+        raise ConfigError(
+            "Give the command to run after the flags, e.g. horovodrun -np 2 python train.py."
+        )
+    explicit_python = bool(_PYTHON.search(Path(words[0]).name)) or words[0] == sys.executable
+    if explicit_python:
+        words.pop(0)
+        while words and words[0] in _PYTHON_SWITCHES:
+            words.pop(0)
+        if words[:1] == ["-m"] and len(words) > 1:
+            return Target("module", words[1], tuple(words[2:]))
+    if not words or words[0].startswith("-"):
+        raise ConfigError(
+            f"Cannot tell which script to run in {' '.join(command)!r}; write "
+            "`python script.py ARGS`, `python -m module ARGS` or `script.py ARGS`."
+        )
+    if not explicit_python and not words[0].endswith(".py"):
+        raise ConfigError(
+            f"horovodrun on dtrain runs Python scripts, and {words[0]!r} is not one; write "
+            "`python script.py ARGS`."
+        )
+    target = Target("script", words[0], tuple(words[1:]))
+    target.check()
+    return target
+
+
+def _host_of(args: argparse.Namespace) -> Host | None:
+    if args.hosts and args.hostfile:
+        raise ConfigError("Give either -H or --hostfile, not both.")
+    if args.hosts:
+        return this_machine(parse_hosts(args.hosts))
+    if args.hostfile:
+        return this_machine(parse_hostfile(args.hostfile))
+    return None
+
+
+def _processes(args: argparse.Namespace, host: Host | None) -> int:
+    if args.np is None:
+        if host is None:
+            raise ConfigError(
+                "Say how many processes to start with -np N (e.g. horovodrun -np 2 python "
+                "train.py)."
+            )
+        return host.slots
+    if args.np < 1:
+        raise ConfigError(f"-np must be at least 1, got {args.np}; pass the number of processes.")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and args.np > gpus:
+        raise ConfigError(
+            f"-np {args.np} asks for more processes than the {gpus} visible GPU(s), and Horovod "
+            "scripts pin one GPU per process (hvd.local_rank()); lower -np, or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to train on the CPU."
+        )
+    if host is not None and args.np > host.slots:
+        raise ConfigError(
+            f"-np {args.np} asks for more processes than the {host.slots} slot(s) {host.name} "
+            f"offers; raise its slots (-H {host.name}:{args.np}) or lower -np."
+        )
+    return args.np
+
+
+def _environment(args: argparse.Namespace, nproc: int, host: Host | None) -> dict[str, str]:
+    """The variables every process shares (the per-rank ones come from the worker)."""
+    env = {
+        "HOROVOD_SIZE": str(nproc),
+        "HOROVOD_LOCAL_SIZE": str(nproc),
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "1",
+        "HOROVOD_HOSTNAME": host.name if host is not None else "localhost",
+    }
+    if args.start_timeout is not None:
+        env["HOROVOD_START_TIMEOUT"] = str(args.start_timeout)
+    if args.gloo_timeout_seconds is not None:
+        env[basics.TIMEOUT_VAR] = str(args.gloo_timeout_seconds)
+    for key, name in _ACCEPTED_KNOBS.items():
+        value = getattr(args, key)
+        if value is not None:
+            env[name] = str(value)
+    if args.fusion_threshold_mb is not None:  # the variable counts bytes, the flag MiB
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
+    return {k: v for k, v in env.items() if v}
+
+
+def _check_build() -> str:
+    return "\n".join(
+        [
+            f"horovodrun on dtrain (Horovod {API_VERSION} API)",
+            "",
+            "Available frameworks:",
+            "    [X] PyTorch",
+            "    [ ] TensorFlow",
+            "    [ ] MXNet",
+            "",
+            "Available controllers:",
+            "    [ ] MPI",
+            "    [X] Gloo",
+            "",
+            "Available tensor operations:",
+            f"    [{'X' if basics.nccl_built() else ' '}] NCCL",
+            "    [ ] DDL",
+            "    [ ] CCL",
+            "    [ ] MPI",
+            "    [X] Gloo",
+        ]
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    """Launch the command described by parsed `args`; raise DtrainError on bad input or
+    LaunchError when a process fails."""
+    _refuse(args)
+    host = _host_of(args)
+    nproc = _processes(args, host)
+    target = target_of(args.command)
+    config = Config(nproc=nproc)
+    if args.gloo_timeout_seconds is not None:
+        config = config.replace(timeout_s=args.gloo_timeout_seconds)
+    if args.timeline_filename:
+        print(
+            f"horovodrun: no timeline is written to {args.timeline_filename} yet; the run goes "
+            "on without one (drop --timeline-filename to silence this).",
+            file=sys.stderr,
+        )
+    saved = dict(os.environ)
+    try:
+        os.environ.update(_environment(args, nproc, host))
+        worker = Target("module", "dtrain.horovod.worker", (target.kind, target.name, *target.args))
+        launch(config, worker)
+    finally:
+        # horovodrun may run inside another program (tests, a notebook): leave its
+        # environment as it was.
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `horovodrun` command; returns its exit code."""
+    args = build_parser().parse_args(argv)
+    if args.version:
+        from dtrain import __version__
+
+        print(f"horovodrun on dtrain {__version__} (Horovod {API_VERSION} API)")
+        return 0
+    if args.check_build:
+        print(_check_build())
+        return 0
+    try:
+        run(args)
+    except LaunchError as e:
+        print(f"horovodrun: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        e = Stopped(signal.SIGINT)
+        print(f"horovodrun: {e}", file=sys.stderr)
+        return e.exit_code
+    except Stopped as e:
+        print(f"horovodrun: {e}", file=sys.stderr)
+        return e.exit_code
+    except DtrainError as e:
+        print(f"horovodrun: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
