@@ -10,11 +10,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import free_port, run_ranks
 from torch.testing import assert_close
 
 import dtrain.horovod as hvd
 from dtrain.horovod.errors import HorovodUsageError, NotInitializedError, UnsupportedError
-from tests.distributed import free_port, run_ranks
 
 
 def _check_basics(r: int, n: int) -> None:

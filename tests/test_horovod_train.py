@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_ranks
 from torch.testing import assert_close
 
 import dtrain.horovod as hvd
 from dtrain.horovod.errors import HorovodUsageError
 from dtrain.horovod.run import main as horovodrun
 from dtrain.models.digits import DigitsMLP
-from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, GLOBAL_BATCH = 4, 16
