@@ -85,6 +85,12 @@ class Engine:
         return self.position.epoch
 
     @property
+    def seed(self) -> int:
+        """The run's seed, settled by `dtrain.init` (``--seed``, or the torch seed the ranks
+        agreed on); `dataloader` shuffles with it."""
+        return self.config.seed
+
+    @property
     def restart_count(self) -> int:
         """How many times the launcher has restarted the group (0 on the first attempt)."""
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -155,11 +161,7 @@ class Engine:
             f"dtrain: strategy {self.strategy.name}, {self.world_size} process(es)"
             + (f" ({layout})" if layout else "")
             + f", device {self.device.type}"
-            + (
-                f", {kind} lr {', '.join(f'{lr:g}' for lr in lrs)}"
-                if lrs
-                else ""
-            )
+            + (f", {kind} lr {', '.join(f'{lr:g}' for lr in lrs)}" if lrs else "")
         )
         LOGGER.info(banner)
         self.print(banner)
