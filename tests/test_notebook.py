@@ -42,8 +42,9 @@ def train(steps):
     return engine.rank, [p.detach().tolist() for p in net.parameters()]
 
 
-print("RESULT ddp", json.dumps(dtrain.launch(train, 2, nproc=2)))
-print("RESULT ps", json.dumps(dtrain.launch(train, 2, nproc=2, strategy="ps", servers=1)))
+# Two runs compared: both are given the same seed.
+print("RESULT ddp", json.dumps(dtrain.launch(train, 2, nproc=2, seed=0)))
+print("RESULT ps", json.dumps(dtrain.launch(train, 2, nproc=2, strategy="ps", servers=1, seed=0)))
 """
 
 

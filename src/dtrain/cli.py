@@ -1,4 +1,9 @@
-"""The `dtrain` command: run, demo, ckpt."""
+"""The `dtrain` command: run, demo, ckpt.
+
+Parsing, `--help` and every flag or Config error need no torch: this module imports only
+light modules at the top, and the launcher, the demo's checks and the checkpoint tools
+inside the paths that use them, after the command line has been parsed and checked.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,14 @@ import signal
 import sys
 from pathlib import Path
 
-from dtrain import __version__, demo
-from dtrain.checkpoint.convert import convert
-from dtrain.checkpoint.verify import summary, verify
+from dtrain import __version__
 from dtrain.config import Config
 from dtrain.config_file import add_config_arg, parse_with_config
+from dtrain.demo_flags import add_training_args
 from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.flags import add_topology_args, config_from
-from dtrain.launch.runner import Target, launch
-from dtrain.observe.metrics import format_table
-from dtrain.strategies import lookup
+
+DEMO_MODULE = "dtrain.demo"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arg(demo_parser)
     add_topology_args(demo_parser)
-    demo.add_training_args(demo_parser)
+    add_training_args(demo_parser)
 
     ckpt = sub.add_parser("ckpt", help="Inspect, verify or convert checkpoints.")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -88,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_demo(config: Config, args: argparse.Namespace) -> None:
+    from dtrain import demo
+    from dtrain.strategies import lookup
+
     dp_size, splits = lookup(config.strategy).batch_layout(config)
     demo.complete_args(args)
     demo.check_batch(args.global_batch_size, dp_size, splits, config.grad_accumulation)
@@ -110,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+        from dtrain.launch.runner import Target, launch
+
         if args.command == "run":
             kind = "module" if args.module else "script"
             launch(config, Target(kind, args.script, tuple(args.script_args)))
         else:
             _check_demo(config, args)
-            launch(config, Target("module", demo.__name__, tuple(argv[1:])))
+            launch(config, Target("module", DEMO_MODULE, tuple(argv[1:])))
     except ConfigError as e:
         print(f"dtrain: error: {e}", file=sys.stderr)
         return 2
@@ -136,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ckpt(args: argparse.Namespace) -> int:
+    from dtrain.checkpoint.convert import convert
+    from dtrain.checkpoint.verify import summary, verify
+    from dtrain.observe.metrics import format_table
+
     if args.ckpt_command == "convert":
         print(convert(args.src, args.dst))
         return 0

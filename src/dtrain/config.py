@@ -14,13 +14,16 @@ import os
 from dataclasses import dataclass, field, fields
 
 from dtrain.errors import ConfigError
+from dtrain.names import (
+    CHECKPOINT_FORMATS,
+    DP_MODES,
+    LOGGERS,
+    PRECISIONS,
+    PS_MODES,
+    SCHEDULES,
+)
 
 ENV_VAR = "DTRAIN_CONFIG"
-PRECISIONS = ("fp32", "bf16-mixed")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("ddp", "zero2", "zero3")
-CHECKPOINT_FORMATS = ("consolidated", "sharded")
-LOGGERS = ("csv", "tensorboard")
 
 
 def option(default: object, help: str, flag: str | None = None) -> object:
@@ -102,8 +105,14 @@ class Config:
     async_checkpoint: bool = option(
         False, "Write sharded checkpoints in the background while training goes on."
     )
-    seed: int = 0
-    """Seed of every RNG on every device, so replicas start equal (demo: --seed)."""
+    seed: int | None = option(
+        None,
+        "Seed every RNG (Python, NumPy, torch on the CPU and on every GPU) with this on every "
+        "rank, and the data shuffle with it. Without it, dtrain.init keeps the seed the "
+        "script set when every rank set the same one (or there is one process), and "
+        "otherwise seeds every rank with rank 0's, so the replicas start equal (dtrain "
+        "demo: 0).",
+    )
     timeout_s: float = option(
         600.0, "Seconds a collective may wait before a hung rank is reported.", flag="--timeout"
     )
@@ -198,6 +207,11 @@ class Config:
             )
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout must be positive, got {self.timeout_s}.")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ConfigError(
+                f"--seed must lie in [0, 2**64), the seeds torch accepts, got {self.seed}; "
+                "pick a seed such as 0."
+            )
         if self.log_every < 1:
             raise ConfigError(f"--log-every must be at least 1, got {self.log_every}.")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -264,9 +278,10 @@ class Config:
                     f"{self.strategy} does not use; use --strategy ps, or drop "
                     f"{', '.join(given)}."
                 )
-        modes = ("sync", "async", "ssp")
-        if self.ps_mode not in modes:
-            raise ConfigError(f"--ps-mode must be one of {', '.join(modes)}, got {self.ps_mode!r}.")
+        if self.ps_mode not in PS_MODES:
+            raise ConfigError(
+                f"--ps-mode must be one of {', '.join(PS_MODES)}, got {self.ps_mode!r}."
+            )
         if self.staleness is not None and self.ps_mode != "ssp":
             raise ConfigError(
                 f"--staleness bounds how far workers drift apart in --ps-mode ssp, but the mode "

@@ -80,7 +80,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def _order(self) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.dataset_size)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        # torch takes seeds below 2**64, and a run's seed may be any of them
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)
         return torch.randperm(self.dataset_size, generator=generator)
 
     def __iter__(self) -> Iterator[list[int]]:

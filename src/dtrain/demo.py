@@ -19,93 +19,18 @@ import torch
 import dtrain
 from dtrain import checkpoint
 from dtrain.config_file import add_config_arg, parse_with_config
+from dtrain.demo_flags import add_training_args
 from dtrain.errors import ConfigError
 from dtrain.flags import add_topology_args
-from dtrain.lr import RULES, LRSchedule, scale_lr
-from dtrain.models import MODELS, build
-from dtrain.models.gpt import SIZES
+from dtrain.lr import LRSchedule, scale_lr
+from dtrain.models import build
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.metrics import format_memory, format_table
-from dtrain.tasks import OPTIMIZERS, TASKS, make_optimizer
+from dtrain.tasks import TASKS, make_optimizer
 
 DEFAULT_OUT = "runs/demo"
-
-
-def add_training_args(parser: argparse.ArgumentParser) -> None:
-    """The TRAINING flags of `dtrain demo` (listed in README.md)."""
-    g = parser.add_argument_group("training")
-    g.add_argument("--model", default="cnn", choices=MODELS, help="Bundled model.")
-    g.add_argument("--model-size", default=None, choices=sorted(SIZES), help="Size of --model gpt.")
-    g.add_argument(
-        "--epochs", type=int, default=None, help="Passes over the training set (cnn/mlp 12, gpt 4)."
-    )
-    g.add_argument(
-        "--optimizer", default=None, choices=OPTIMIZERS, help="Default: sgd (cnn/mlp), adamw (gpt)."
-    )
-    g.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="Stop once the run's optimizer step count reaches N (counting steps "
-        "before a --resume); the learning-rate schedule is unchanged.",
-    )
-    g.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        help="Samples per step over all data-parallel workers; must divide evenly "
-        "(cnn/mlp 64, gpt 32).",
-    )
-    g.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="Learning rate at the reference batch (cnn/mlp 0.1, gpt 0.003).",
-    )
-    g.add_argument(
-        "--lr-scaling",
-        default="none",
-        choices=RULES,
-        help="Scale --lr from the reference batch to the global batch.",
-    )
-    g.add_argument(
-        "--ref-batch-size",
-        type=int,
-        default=None,
-        help="Batch size at which --lr was tuned (default: the model's default batch).",
-    )
-    g.add_argument(
-        "--warmup-epochs",
-        type=float,
-        default=None,
-        help="Linear warmup from --lr to the scaled rate (default 1 epoch with "
-        "linear scaling, else 0).",
-    )
-    g.add_argument("--seed", type=int, default=0, help="Seed of the model and the shuffle.")
-    g.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=None,
-        help="Save a checkpoint every N steps (default: at the end of each epoch).",
-    )
-    g.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=3,
-        help="How many of the newest checkpoints to keep; the main rank deletes older ones "
-        "once a new one is complete.",
-    )
-    g.add_argument(
-        "--resume",
-        action="store_true",
-        help="Continue from the newest intact checkpoint under --out (any strategy and "
-        "world size may have written it); a restart after --max-restarts does this itself.",
-    )
-    g.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="Start afresh in an --out that holds an earlier run's checkpoints, deleting them.",
-    )
+DEFAULT_SEED = 0
+"""The demo's seed when --seed is not given, so that two runs of it train alike."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -186,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     by the Engine when it closes)."""
     wall_start = time.perf_counter()
     args = parse_args(argv)
-    engine = dtrain.init(seed=args.seed, out=str(args.out))
+    seed = DEFAULT_SEED if args.seed is None else args.seed
+    engine = dtrain.init(seed=seed, out=str(args.out))
     engine.log_to(args.out / "logs")
     per_worker = check_batch(
         args.global_batch_size,

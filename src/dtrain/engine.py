@@ -92,6 +92,12 @@ class Engine:
         return self.position.epoch
 
     @property
+    def seed(self) -> int:
+        """The run's seed, settled by `dtrain.init` (``--seed``, or the torch seed the ranks
+        agreed on); `dataloader` shuffles with it."""
+        return self.config.seed
+
+    @property
     def restart_count(self) -> int:
         """How many times the launcher has restarted the group (0 on the first attempt)."""
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -1,4 +1,7 @@
-"""The TOPOLOGY flags shared by `dtrain run` and `dtrain demo`, generated from Config."""
+"""The TOPOLOGY flags shared by `dtrain run` and `dtrain demo`, generated from Config.
+
+Importable without torch (as is Config), so `--help` and every flag error answer at once.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import typing
 from dataclasses import fields
 
 from dtrain.config import Config
-from dtrain.strategies import available
+from dtrain.names import STRATEGIES, check_strategy
 
 
 def _device_list(text: str) -> list[int]:
@@ -42,10 +45,13 @@ def add_topology_args(parser: argparse.ArgumentParser) -> None:
             convert = _name_list
         help_text = f.metadata["help"]
         if f.name == "strategy":
-            help_text += " One of: " + ", ".join(available()) + "."
+            help_text += " One of: " + ", ".join(STRATEGIES) + "."
         group.add_argument(flag, dest=f.name, type=convert, default=f.default, help=help_text)
 
 
 def config_from(args: argparse.Namespace) -> Config:
-    """The Config given by the parsed TOPOLOGY flags."""
+    """The Config given by the parsed TOPOLOGY flags; a ConfigError for an unknown strategy
+    name or a value Config refuses."""
+    if args.strategy is not None:
+        check_strategy(args.strategy)
     return Config(**{f.name: getattr(args, f.name) for f in fields(Config) if "help" in f.metadata})

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from dtrain.errors import ConfigError
-
-RULES = ("none", "linear", "sqrt")
+from dtrain.names import LR_RULES
 
 
 def scale_lr(lr: float, global_batch: int, reference_batch: int, rule: str) -> float:
     """The learning rate for `global_batch` under `rule`, from `lr` at `reference_batch`."""
-    if rule not in RULES:
-        raise ConfigError(f"Unknown --lr-scaling '{rule}'; choose one of {', '.join(RULES)}.")
+    if rule not in LR_RULES:
+        raise ConfigError(f"Unknown --lr-scaling '{rule}'; choose one of {', '.join(LR_RULES)}.")
     if reference_batch < 1:
         raise ConfigError(f"The reference batch must be at least 1, got {reference_batch}.")
     ratio = global_batch / reference_batch

@@ -1,8 +1,11 @@
-"""Refuse, at `import dtrain`, a PyTorch older than the oldest the test suite passed on.
+"""Refuse a PyTorch older than the oldest the test suite passed on, when first imported.
 
 dtrain composes recent torch.distributed pieces (FSDP2 `fully_shard`, DTensor tensor
 parallel, `torch.distributed.pipelining`, DeviceMesh); on an older torch they fail deep
-inside torch with messages that do not say why. This says why, once, before anything runs.
+inside torch with messages that do not say why. This says why, once, before anything runs:
+topology.py (which every strategy, the Engine, `dtrain.init` and both launchers import)
+and the checkpoint package import it. `import dtrain` alone imports no torch, so that
+`dtrain --help` answers at once.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dtrain.datasets import load_digits, load_text
+from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, lm_loss
+from dtrain.names import OPTIMIZERS
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -52,11 +54,12 @@ class Task:
 DIGITS = Task("digits", F.cross_entropy, 12, 64, 0.1, "sgd", classifier=True)
 TEXT = Task("text", lm_loss, 4, 32, 3e-3, "adamw", classifier=False)
 TASKS = {"cnn": DIGITS, "mlp": DIGITS, "gpt": TEXT}
-OPTIMIZERS = ("sgd", "adamw")
 
 
 def make_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """SGD with momentum 0.9, or AdamW (weight decay 0.01), over `model`'s parameters."""
+    if kind not in OPTIMIZERS:
+        raise ConfigError(f"Unknown --optimizer '{kind}'; choose one of {', '.join(OPTIMIZERS)}.")
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)

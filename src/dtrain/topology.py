@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dtrain import requirements  # noqa: F401 - refuses too old a torch before it is used
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 

@@ -1,6 +1,7 @@
 """Portable checkpoints: directories that load under every strategy and world size,
 consolidated (one safetensors file of the whole model) or sharded (one part per rank)."""
 
+from dtrain import requirements  # noqa: F401 - refuses too old a torch before it is used
 from dtrain.checkpoint.directory import find_latest, latest_intact, prune, step_path
 from dtrain.checkpoint.format import (
     FORMAT,

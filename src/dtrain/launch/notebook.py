@@ -42,7 +42,9 @@ def launch(
     in ``__main__`` or in a script read from standard input. Inside it, ``dtrain.init()``
     returns the Engine of its rank, as under ``dtrain run --strategy STRATEGY --nproc
     NPROC``. `options` are the other fields of :class:`dtrain.Config` (``towers``,
-    ``grad_accumulation``, ``log_every``...). Each rank's output is printed here, line by
+    ``grad_accumulation``, ``log_every``, ``seed``...). The ranks inherit this process's
+    random generators, so a seed set here with ``torch.manual_seed`` before the call is
+    kept on every rank (without ``seed=``). Each rank's output is printed here, line by
     line, prefixed ``[rank N]``; an Engine the function did not close is closed when it
     returns. Under ``strategy="ps"`` the parameter servers are started too; only the
     workers' results are returned.

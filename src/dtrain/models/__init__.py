@@ -7,8 +7,7 @@ from torch import nn
 from dtrain.errors import ConfigError
 from dtrain.models.digits import DigitsCNN, DigitsMLP
 from dtrain.models.gpt import GPT, SIZES
-
-MODELS = ("cnn", "mlp", "gpt")
+from dtrain.names import MODELS
 
 
 def build(name: str, size: str | None = None) -> nn.Module:

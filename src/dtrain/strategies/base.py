@@ -21,6 +21,7 @@ from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.names import unknown_strategy
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.topology import Topology, detect
 
@@ -298,7 +299,4 @@ def lookup(name: str) -> type[Strategy]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ConfigError(
-            f"Unknown strategy '{name}'. Known strategies: {', '.join(available())}. "
-            "Pick one with --strategy NAME."
-        ) from None
+        raise ConfigError(unknown_strategy(name, available())) from None

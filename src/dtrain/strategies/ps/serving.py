@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.rng import initial_seeds
 from dtrain.strategies.ps.handshake import handshake
 from dtrain.strategies.ps.server import Server
 from dtrain.topology import Topology, detect, init_process_group
@@ -44,9 +45,11 @@ def serve(config: Config) -> None:
 
 
 def serve_job(config: Config) -> None:
-    """Serve one training run on the joined process group: receive the model's
+    """Serve one training run on the joined process group: take part in the gather of
+    seeds that the workers' `dtrain.init` makes over the whole job, receive the model's
     description and initial values from worker 0's `engine.setup`, then answer the
     workers until every one has finished."""
+    initial_seeds(everyone=True)
     start = handshake(None, None, config.nproc)
     index = dist.get_rank() - config.nproc
     shard = start.description.plan(config.servers).shards[index]

@@ -1,0 +1,87 @@
+"""The TRAINING flags of `dtrain demo` (listed in README.md), importable without torch.
+
+The choices come from `dtrain.names`, which the models, optimizers and learning-rate rules
+use too; the defaults left as None are the model's own, filled in by `demo.complete_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dtrain.names import GPT_SIZES, LR_RULES, MODELS, OPTIMIZERS
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    """Add the TRAINING flags of `dtrain demo` to `parser`."""
+    g = parser.add_argument_group("training")
+    g.add_argument("--model", default="cnn", choices=MODELS, help="Bundled model.")
+    g.add_argument("--model-size", default=None, choices=GPT_SIZES, help="Size of --model gpt.")
+    g.add_argument(
+        "--epochs", type=int, default=None, help="Passes over the training set (cnn/mlp 12, gpt 4)."
+    )
+    g.add_argument(
+        "--optimizer", default=None, choices=OPTIMIZERS, help="Default: sgd (cnn/mlp), adamw (gpt)."
+    )
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="Stop once the run's optimizer step count reaches N (counting steps "
+        "before a --resume); the learning-rate schedule is unchanged.",
+    )
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per step over all data-parallel workers; must divide evenly "
+        "(cnn/mlp 64, gpt 32).",
+    )
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="Learning rate at the reference batch (cnn/mlp 0.1, gpt 0.003).",
+    )
+    g.add_argument(
+        "--lr-scaling",
+        default="none",
+        choices=LR_RULES,
+        help="Scale --lr from the reference batch to the global batch.",
+    )
+    g.add_argument(
+        "--ref-batch-size",
+        type=int,
+        default=None,
+        help="Batch size at which --lr was tuned (default: the model's default batch).",
+    )
+    g.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=None,
+        help="Linear warmup from --lr to the scaled rate (default 1 epoch with "
+        "linear scaling, else 0).",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="Save a checkpoint every N steps (default: at the end of each epoch).",
+    )
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        help="How many of the newest checkpoints to keep; the main rank deletes older ones "
+        "once a new one is complete.",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="Continue from the newest intact checkpoint under --out (any strategy and "
+        "world size may have written it); a restart after --max-restarts does this itself.",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Start afresh in an --out that holds an earlier run's checkpoints, deleting them.",
+    )

@@ -1,0 +1,167 @@
+"""Seeding in `dtrain.init`: ``--seed S`` seeds every generator on every rank; without it a
+seed the script set alike on every rank is kept, and ranks that start apart are all given
+rank 0's seed, so the replicas and the data shuffle agree."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+from distributed import run_ranks
+from torch.testing import assert_close
+
+import dtrain
+from dtrain.data import ShardedBatchSampler
+from dtrain.demo import parse_args
+
+
+class Collect(logging.Handler):
+    """Keeps the messages of the ``dtrain`` logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def expected(seed: int) -> dict[str, object]:
+    """What each generator draws first after being seeded with `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "torch": torch.rand(3, generator=generator),
+        "python": random.Random(seed).random(),
+        "numpy": float(np.random.RandomState(seed).rand()),
+    }
+
+
+def draws() -> dict[str, object]:
+    """What each global generator draws next."""
+    return {"torch": torch.rand(3), "python": random.random(), "numpy": float(np.random.rand())}
+
+
+def one_rank(own_seed: int | None, apart: bool = False, seed: int | None = None) -> dict:
+    """Seed this rank's generators with `own_seed` (plus the rank when `apart`), start a
+    ddp Engine (with `seed` if given), and return what the generators draw next, the run's
+    seed, the shuffle's seed and what the ``dtrain`` logger said."""
+    if own_seed is not None:
+        mine = own_seed + int(os.environ["RANK"]) if apart else own_seed
+        torch.manual_seed(mine)
+        random.seed(mine)
+        np.random.seed(mine)
+    collect = Collect()
+    logging.getLogger("dtrain").addHandler(collect)
+    try:
+        engine = dtrain.init(strategy="ddp", seed=seed)
+    finally:
+        logging.getLogger("dtrain").removeHandler(collect)
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 1))
+    sampler = engine.dataloader(data, batch_size=2).batch_sampler
+    result = {**draws(), "seed": engine.seed, "shuffle": sampler.seed, "logs": collect.messages}
+    engine.close()
+    return result
+
+
+def seeded_alike() -> dict:
+    return one_rank(123)
+
+
+def seeded_apart() -> dict:
+    return one_rank(100, apart=True)
+
+
+def seeded_apart_and_given_five() -> dict:
+    return one_rank(100, apart=True, seed=5)
+
+
+def unseeded() -> dict:
+    return one_rank(None)
+
+
+def generators(result: dict) -> dict:
+    return {k: result[k] for k in ("torch", "python", "numpy")}
+
+
+def test_a_seed_set_before_init_is_kept_in_one_process() -> None:
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    engine = dtrain.init(strategy="single")
+    assert_close(draws(), expected(123))
+    assert engine.seed == 123 and engine.config.seed == 123
+    engine.close()
+
+
+def test_a_seed_given_to_init_reseeds_one_process() -> None:
+    torch.manual_seed(123)
+    engine = dtrain.init(strategy="single", seed=5)
+    assert_close(draws(), expected(5))
+    assert engine.seed == 5
+    engine.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_seed_set_alike_on_every_rank_is_kept() -> None:
+    for got in run_ranks(seeded_alike, 2, timeout=80):
+        assert_close(generators(got), expected(123))
+        assert (got["seed"], got["shuffle"], got["logs"]) == (123, 123, [])
+
+
+@pytest.mark.timeout(90)
+def test_a_seed_given_to_init_reseeds_every_rank() -> None:
+    for got in run_ranks(seeded_apart_and_given_five, 2, timeout=80):
+        assert_close(generators(got), expected(5))
+        assert (got["seed"], got["shuffle"], got["logs"]) == (5, 5, [])
+
+
+@pytest.mark.timeout(90)
+def test_ranks_seeded_apart_all_get_rank_0s_seed_and_are_told() -> None:
+    first, second = run_ranks(seeded_apart, 2, timeout=80)
+    for got in (first, second):
+        assert_close(generators(got), expected(100))
+        assert (got["seed"], got["shuffle"]) == (100, 100)
+    assert len(first["logs"]) == 1 and "seeded with rank 0's (100)" in first["logs"][0]
+    assert "--seed S" in first["logs"][0]
+    assert second["logs"] == []  # rank 0 alone says it
+
+
+@pytest.mark.timeout(90)
+def test_unseeded_ranks_start_equal() -> None:
+    """Fresh processes each draw their own torch seed; init gives every rank rank 0's."""
+    first, second = run_ranks(unseeded, 2, timeout=80)
+    assert_close(generators(first), generators(second))
+    assert first["seed"] == second["seed"] == first["shuffle"] == second["shuffle"]
+
+
+def test_any_seed_torch_accepts_shuffles() -> None:
+    sampler = ShardedBatchSampler(10, 2, seed=2**64 - 1)
+    assert sorted(i for batch in sampler for i in batch) == list(range(10))
+
+
+SCRIPT = """
+import torch
+import dtrain
+engine = dtrain.init()
+loader = engine.dataloader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=2)
+print(f"seed {engine.seed} config {engine.config.seed} shuffle {loader.batch_sampler.seed}")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_dtrain_run_seed_reaches_the_script(tmp_path: Path) -> None:
+    (tmp_path / "report.py").write_text(SCRIPT)
+    proc = run_cli("run", "--seed", "7", "report.py", cwd=tmp_path, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "seed 7 config 7 shuffle 7" in proc.stdout
+
+
+def test_the_demo_takes_seed_as_a_topology_flag(tmp_path: Path) -> None:
+    assert parse_args(["--seed", "3", "--out", str(tmp_path)]).seed == 3
+    assert parse_args(["--out", str(tmp_path)]).seed is None  # the demo then uses 0
