@@ -71,7 +71,7 @@ def test_help_answers_without_torch(tmp_path: Path, argv: list[str], shown: str)
         (
             ["run", "--strategy", "nope", "x.py"],
             "Unknown strategy 'nope'. Known strategies: single, towers, ddp, ps, zero1, "
-            "zero2, zero3, pipeline, tensor, hybrid. Pick one with --strategy NAME.",
+            "zero2, zero3, hsdp, pipeline, tensor, hybrid. Pick one with --strategy NAME.",
         ),
         (["demo", "--strategy", "magic"], "Unknown strategy 'magic'."),
         (["run", "--towers", "2", "x.py"], "--towers sets the replicas of --strategy towers"),

@@ -25,7 +25,7 @@ class Collect(logging.Handler):
     """Keeps the messages of the ``dtrain`` logger."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -57,11 +57,13 @@ def one_rank(own_seed: int | None, apart: bool = False, seed: int | None = None)
         random.seed(mine)
         np.random.seed(mine)
     collect = Collect()
-    logging.getLogger("dtrain").addHandler(collect)
+    logger = logging.getLogger("dtrain")
+    logger.addHandler(collect)
+    logger.setLevel(logging.INFO)  # as engine.log_to sets it: the note goes to the log file
     try:
         engine = dtrain.init(strategy="ddp", seed=seed)
     finally:
-        logging.getLogger("dtrain").removeHandler(collect)
+        logger.removeHandler(collect)
     data = torch.utils.data.TensorDataset(torch.zeros(8, 1))
     sampler = engine.dataloader(data, batch_size=2).batch_sampler
     result = {**draws(), "seed": engine.seed, "shuffle": sampler.seed, "logs": collect.messages}

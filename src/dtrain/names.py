@@ -20,6 +20,7 @@ STRATEGIES = (
     "zero1",
     "zero2",
     "zero3",
+    "hsdp",
     "pipeline",
     "tensor",
     "hybrid",

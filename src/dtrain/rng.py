@@ -44,15 +44,15 @@ def settle_seed(seed: int | None, initial: list[int], is_main: bool) -> int:
     Args:
         seed: the seed asked for, or None.
         initial: `torch.initial_seed()` of every rank that trains, in rank order.
-        is_main: whether this is rank 0, which says when it reseeded the ranks.
+        is_main: whether this is rank 0, which logs when it reseeded the ranks.
     """
     if seed is not None:
         seed_everything(seed)
         return seed
     if len(set(initial)) > 1:
         seed_everything(initial[0])
-        if is_main:
-            LOGGER.warning(
+        if is_main:  # the log file, not the terminal: every unseeded job does this
+            LOGGER.info(
                 "dtrain: the ranks started from different torch seeds, so every rank was "
                 "seeded with rank 0's (%d) to start the replicas equal; pass --seed S (or "
                 "dtrain.init(seed=S)) to choose the seed and repeat this run.",

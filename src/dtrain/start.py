@@ -28,7 +28,7 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
     torch on the CPU and on every GPU) with S on every rank. Without a seed it leaves the
     RNGs alone when every rank's ``torch.initial_seed()`` is the same (the script seeded
     every rank alike, or there is one process), and otherwise seeds every rank with rank
-    0's and says so, so the replicas start equal. ``engine.seed`` is the seed settled on;
+    0's (noted in the log), so the replicas start equal. ``engine.seed`` is the seed settled on;
     ``engine.dataloader`` shuffles with it, alike on every rank. To compare two runs, give
     both the same seed.
     """
