@@ -51,10 +51,11 @@ def cli_without_torch(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess
 @pytest.mark.parametrize(
     ("argv", "shown"),
     [
-        (["--help"], "{run,demo,ckpt}"),
+        (["--help"], "{run,demo,bench,ckpt}"),
         (["--version"], "dtrain 0.1.0"),
         (["run", "--help"], "--seed SEED"),
         (["demo", "--help"], "--model-size {tiny,small,medium,100m}"),
+        (["bench", "comm", "--help"], "--max-bytes MAX_BYTES"),
         (["ckpt", "convert", "--help"], "weights_only=True"),
     ],
 )

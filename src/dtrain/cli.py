@@ -1,4 +1,4 @@
-"""The `dtrain` command: run, demo, ckpt.
+"""The `dtrain` command: run, demo, bench, ckpt.
 
 Parsing, `--help` and every flag or Config error need no torch: this module imports only
 light modules at the top, and the launcher, the demo's checks and the checkpoint tools
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from dtrain import __version__
+from dtrain.bench.comm_flags import add_args as add_comm_args
 from dtrain.config import Config
 from dtrain.config_file import add_config_arg, parse_with_config
 from dtrain.demo_flags import add_training_args
@@ -20,6 +21,7 @@ from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.flags import add_topology_args, config_from
 
 DEMO_MODULE = "dtrain.demo"
+COMM_MODULE = "dtrain.bench.comm"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arg(demo_parser)
     add_topology_args(demo_parser)
     add_training_args(demo_parser)
+
+    bench = sub.add_parser("bench", help="Measure: the collectives' bandwidth (comm).")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    comm = bench_sub.add_parser(
+        "comm",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="Time all_reduce, reduce_scatter, all_gather, broadcast and send/recv by size.",
+        description="Time each collective from --min-bytes to --max-bytes on --nproc "
+        "processes; print the algorithm and bus bandwidth (the nccl-tests definitions).",
+    )
+    add_topology_args(comm)
+    add_comm_args(comm)
 
     ckpt = sub.add_parser("ckpt", help="Inspect, verify or convert checkpoints.")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -109,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ckpt":
             return _ckpt(args)
         config = config_from(args)
+        if args.command == "bench":
+            return _bench(config, argv)
         if args.strategy is None:
             print(
                 f"dtrain: strategy {config.strategy} ({config.nproc * config.nnodes} "
@@ -140,6 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     except DtrainError as e:
         print(f"dtrain: error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _bench(config: Config, argv: list[str]) -> int:
+    if config.nproc * config.nnodes < 2:
+        raise ConfigError(
+            "dtrain bench comm times collectives between processes; give --nproc 2 or more."
+        )
+    from dtrain.launch.runner import Target, launch
+
+    launch(config, Target("module", COMM_MODULE, tuple(argv[2:])))
     return 0
 
 

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 import dtrain
+from dtrain.bench.comm_flags import OPS, add_args
 from dtrain.errors import ConfigError
 from dtrain.observe.metrics import format_table
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv")
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -67,21 +67,6 @@ def sizes(low: int, high: int, ranks: int) -> list[int]:
         out.append(max(step, size // step * step))
         size *= 2
     return sorted(set(out))
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `dtrain bench comm` (besides the topology flags)."""
-    parser.add_argument(
-        "--ops", default=",".join(OPS), help=f"Comma-separated collectives: {', '.join(OPS)}."
-    )
-    parser.add_argument("--min-bytes", default="1K", help="Smallest message (K, M, G suffixes).")
-    parser.add_argument("--max-bytes", default="256M", help="Largest message.")
-    parser.add_argument(
-        "--iters", type=int, default=20, help="Timed calls per size (fewer above 16 MiB)."
-    )
-    parser.add_argument("--warmup", type=int, default=3, help="Untimed calls per size first.")
-    parser.add_argument("--csv", type=Path, default=None, help="Also write the table here.")
-    parser.add_argument("--json", type=Path, default=None, help="Also write the rows as JSON here.")
 
 
 def check_ops(text: str) -> list[str]:
