@@ -109,9 +109,28 @@ def test_sync_ps_matches_single_with_each_optimizer(
         assert_close(params, expected, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_ps_refuses_clipping_with_what_to_use(mode: str) -> None:
-    with pytest.raises(dtrain.ConfigError, match="--strategy ddp or zero1"):
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("workers", "servers", "extra"),
+    [(2, 2, {}), (1, 1, {"ps_mode": "ssp", "staleness": 0})],
+    ids=["sync-2-servers", "ssp-1-worker"],
+)
+def test_ps_clips_as_single_clips(workers: int, servers: int, extra: dict[str, Any]) -> None:
+    """Sync: the servers clip the round's mean by its global norm, summed over the servers'
+    shards. ssp with one worker and staleness 0 applies that worker's gradient before its
+    next step: the worker's own norm sets the factor the servers scale it by."""
+    clip = {"clip_grad_norm": 0.05}
+    results = run_ranks(ps_runs, workers + servers, ["sgd-nesterov"], workers, servers,
+                        {**extra, **clip}, timeout=200)  # fmt: skip
+    assert results[workers:] == [SERVER] * servers
+    expected = train_with("sgd-nesterov", strategy="single", **clip)
+    unclipped = train_with("sgd-nesterov", strategy="single")
+    assert any(not torch.allclose(expected[k], unclipped[k]) for k in expected), "never clipped"
+    assert_close(results[0][0], expected)
+
+
+def test_ps_refuses_clipping_with_backup_workers() -> None:
+    with pytest.raises(dtrain.ConfigError, match="with --backup-workers is not supported"):
         ParameterServer.check_options(
-            ps_config({"nproc": 2, "ps_mode": mode, "clip_grad_norm": 1.0})
+            ps_config({"nproc": 3, "backup_workers": 1, "clip_grad_norm": 1.0})
         )

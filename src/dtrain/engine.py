@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import gc
+import math
 import os
 import weakref
 from collections.abc import Iterable, Iterator
@@ -303,7 +304,8 @@ class Engine:
         the norm before clipping (a 0-d tensor on the device, not read back).
 
         The norm is that of the whole model's gradient, as `single` would compute it, under
-        every strategy (sharded and tensor-parallel gradients, pipeline stages, towers).
+        every strategy (sharded and tensor-parallel gradients, pipeline stages, towers;
+        under sync ps the servers clip the round's mean and keep its norm: NaN here).
         Call it between backward and ``optimizer.step()`` in a hand-written loop (on every
         rank: it is a collective); `train_step` calls it itself with ``clip_grad_norm``.
         """
@@ -343,8 +345,9 @@ class Engine:
         }
         if self.optimizer is not None:
             metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        if self.grad_norm is not None:
-            metrics["train/grad_norm"] = float(self.grad_norm)
+        norm = float(self.grad_norm) if self.grad_norm is not None else math.nan
+        if math.isfinite(norm):  # sync ps clips on the servers, which keep the norm
+            metrics["train/grad_norm"] = norm
         self.report.log(metrics, step)
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:

@@ -105,8 +105,9 @@ class Client:
                 self.sends.append((work, payload))
         self.pushed.add(index)
 
-    def commit(self, lrs: list[float]) -> None:
-        """End the step: push what is missing, commit with `lrs` and post the gated pull."""
+    def commit(self, lrs: list[float], clip: float = 0.0) -> None:
+        """End the step: push what is missing, commit with `lrs` and `clip` (see the
+        protocol's COMMIT) and post the gated pull."""
         self.wait_pulls()
         for index in range(len(self.params)):
             if index not in self.pushed:
@@ -114,7 +115,7 @@ class Client:
         self.pushed.clear()
         self.missing = [list(sizes) for sizes in self.bucket_sizes]
         for s in range(len(self.servers)):
-            self._request(s, Op.COMMIT, self.versions[s], lrs=lrs)
+            self._request(s, Op.COMMIT, self.versions[s], clip, lrs=lrs)
             self._post_pull(s)
         self._drain_sends()
 

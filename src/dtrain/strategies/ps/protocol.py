@@ -16,8 +16,10 @@ them finds them in.
 
     header = [op, sender, a, b, lr of param group 0, ..., lr of group G-1]
 
-    COMMIT    a = version the gradients were computed on; the pull of the next
-              parameters, answered when the mode allows    reply: version, buckets
+    COMMIT    a = version the gradients were computed on, b = clipping (0: none;
+              sync: the bound on the round mean's global norm; async/ssp: the factor
+              for this gradient); the pull of the next parameters, answered when the
+              mode allows                                  reply: version, buckets
     PULL      the latest parameters now                    reply: version, buckets
     GET_STATE                                        reply: optimizer state (bytes)
     SET_STATE a = bytes                              payload: params + optimizer state
@@ -44,7 +46,9 @@ import torch.distributed as dist
 
 from dtrain.errors import DtrainError
 
-HEADER, PAYLOAD, REPLY, PUSH_TAGS = 0, 1, 2, 16
+HEADER, PAYLOAD, REPLY, NORM, PUSH_TAGS = 0, 1, 2, 3, 16
+"""Message tags; NORM carries a server's share of a sync round's squared gradient norm
+to the other servers."""
 FIXED_FIELDS = 4
 STATS = (
     "updates",  # optimizer steps applied

@@ -21,6 +21,7 @@ the next bucket is updated (as BytePS pipelines its summation and replies).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -30,7 +31,7 @@ from dtrain.observe.logs import LOGGER
 from dtrain.strategies.ps import protocol
 from dtrain.strategies.ps.handshake import Start
 from dtrain.strategies.ps.outbox import Outbox
-from dtrain.strategies.ps.protocol import HEADER, PAYLOAD, PUSH_TAGS, Op
+from dtrain.strategies.ps.protocol import HEADER, NORM, PAYLOAD, PUSH_TAGS, Op
 from dtrain.strategies.ps.shard_optimizer import ShardOptimizer
 from dtrain.strategies.ps.sharding import ServerShard
 
@@ -66,6 +67,8 @@ class Server:
         self.pushes: dict[int, list[protocol.dist.Work]] = {}
         """The posted receives of each worker's next buckets (see _post_pushes)."""
         self.round_sum = torch.zeros_like(self.flat)
+        self.round_clip = 0.0
+        """Sync: the bound on the open round's mean gradient norm (0: no clipping)."""
         self.members: list[int] = []
         """Sync: the workers whose gradient is in the open round, in arrival order."""
         self.folded = 0
@@ -110,7 +113,8 @@ class Server:
                 for work in self.pushes.pop(sender):
                     protocol.wait(work, self.config.timeout_s, what)
                 self.waiting[sender] = int(a) + 1
-                self._commit(sender, int(a), head[protocol.FIXED_FIELDS :].tolist())
+                clip = head[3].item()
+                self._commit(sender, int(a), head[protocol.FIXED_FIELDS :].tolist(), clip)
             elif op is Op.PULL:
                 self._reply_params(sender)
             elif op is Op.GET_STATE:
@@ -133,13 +137,14 @@ class Server:
                 self._reply_params(worker)
 
     # -- updates ---------------------------------------------------------------------------
-    def _commit(self, worker: int, version: int, lrs: list[float]) -> None:
+    def _commit(self, worker: int, version: int, lrs: list[float], clip: float) -> None:
         self.clocks[worker] += 1
         if self.mode == "sync":
             if version < self.version:
                 self.stats["dropped"] += 1
                 return
             self.optimizer.set_lrs(lrs, 1.0)
+            self.round_clip = clip
             self.members.append(worker)
             self._maybe_close_round()
             return
@@ -155,6 +160,8 @@ class Server:
             scale /= max(1, staleness)
         self.optimizer.set_lrs(lrs, scale)
         received = self.received[worker]
+        if clip > 0:  # the worker measured its gradient's norm and sent the factor
+            received.mul_(clip)
         self._apply(lambda b: self._slice(received, b), used=1)
 
     def _maybe_close_round(self) -> None:
@@ -177,7 +184,15 @@ class Server:
                 self.folded = len(self.members)
             return
         count = len(self.members)
-        if count == 1:
+        if self.round_clip > 0:
+            # The whole mean first: its global norm decides the factor of every bucket.
+            if count == 1:
+                mean = self.received[self.members[0]]
+            else:
+                mean = self._fold(0, self.flat.numel()).div_(count)
+            mean.mul_(self._clip_factor(mean, self.round_clip))
+            self._apply(lambda b: self._slice(mean, b), used=count)
+        elif count == 1:
             first = self.received[self.members[0]]
             self._apply(lambda b: self._slice(first, b), used=1)
         else:
@@ -185,6 +200,23 @@ class Server:
             self._apply(lambda b: self._round_mean(b, count), used=count)
         self.members.clear()
         self.folded = 0
+
+    def _clip_factor(self, mean: torch.Tensor, bound: float) -> float:
+        """min(1, bound / global norm of the round's mean gradient): this server's share of
+        the squared norm goes to every other server and theirs come back (each server
+        closes the same rounds in the same order, so the r-th shares belong together)."""
+        share = mean.double().square().sum().reshape(1)
+        others = [self.workers + j for j in range(self.config.servers) if j != self.index]
+        sends = [self.channel.send(share, rank, NORM) for rank in others]
+        total = share.item()
+        for rank in others:
+            got = torch.empty(1, dtype=torch.float64)
+            what = f"Server {self.index} waiting for server {rank - self.workers}'s gradient norm"
+            protocol.wait(self.channel.recv(got, rank, NORM), self.config.timeout_s, what)
+            total += got.item()
+        for work in sends:
+            protocol.wait(work, self.config.timeout_s, f"Server {self.index} sending its norm")
+        return min(1.0, bound / (math.sqrt(total) + 1e-6))
 
     def _fold(self, start: int, end: int) -> torch.Tensor:
         """round_sum[start:end] with every member's gradient added (at least two members)."""

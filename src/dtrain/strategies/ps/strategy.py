@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
+from dtrain.parallel.clip import global_grad_norm
 from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.ps import serving, sharding, state
 from dtrain.strategies.ps.client import Client
@@ -34,11 +35,11 @@ from dtrain.strategies.ps.optimizer import WorkerOptimizer, check_optimizer
 from dtrain.strategies.ps.storage import FlatParameters
 from dtrain.topology import Topology
 
-NO_CLIPPING = (
-    "Gradient clipping is not supported under --strategy ps yet: each worker pushes its "
-    "gradients to the servers during backward, before a clip could scale them, and a sync "
-    "round's mean is seen by the servers only. Train without --clip-grad-norm, or use "
-    "--strategy ddp or zero1, which clip exactly as one process does."
+NO_BACKUP_CLIPPING = (
+    "Gradient clipping under --strategy ps with --backup-workers is not supported: each "
+    "server fills its round with the first gradients it receives, which may be different "
+    "workers' on different servers, so no global norm of one round exists. Drop "
+    "--backup-workers or --clip-grad-norm."
 )
 
 
@@ -61,6 +62,9 @@ class ParameterServer(Strategy):
         self._fresh = False
         """True while this worker holds the servers' latest parameters (refreshed or
         loaded, no step committed since)."""
+        self._clip = 0.0
+        """What the next COMMIT asks the servers to clip by (0: nothing): the bound
+        (sync), or the factor for this worker's gradient (async, ssp)."""
 
     # -- layout ----------------------------------------------------------------------------
     @classmethod
@@ -84,8 +88,8 @@ class ParameterServer(Strategy):
     @classmethod
     def check_options(cls, config: Config) -> None:
         super().check_options(config)
-        if config.clip_grad_norm is not None:
-            raise ConfigError(NO_CLIPPING)
+        if config.clip_grad_norm is not None and config.backup_workers:
+            raise ConfigError(NO_BACKUP_CLIPPING)
 
     @classmethod
     def role_main(cls, config: Config, rank: int) -> Callable[[], None] | None:
@@ -118,7 +122,19 @@ class ParameterServer(Strategy):
         return self._workers_group
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        raise ConfigError(NO_CLIPPING)
+        """Clipping happens where the update is made. Sync: the servers clip the round's
+        mean gradient by its global norm (they add up their shards' squares), so the
+        update is `single`'s; the norm stays on the servers and NaN is returned. Async and
+        ssp: each update is one worker's gradient, whose norm this worker computes; the
+        servers scale that gradient by min(1, max_norm / norm) before applying it."""
+        if self.config.backup_workers:
+            raise ConfigError(NO_BACKUP_CLIPPING)
+        if self.config.ps_mode == "sync":
+            self._clip = max_norm
+            return torch.full((), float("nan"))
+        norm, _ = global_grad_norm(self.unwrap().parameters())
+        self._clip = float((max_norm / (norm + 1e-6)).clamp(max=1.0))  # the pushes are on the host
+        return norm
 
     @property
     def splits_model(self) -> bool:
@@ -196,7 +212,8 @@ class ParameterServer(Strategy):
 
     def _commit(self, lrs: list[float]) -> None:
         self._fresh = False
-        self._client.commit(lrs)
+        clip, self._clip = self._clip, 0.0
+        self._client.commit(lrs, clip)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
