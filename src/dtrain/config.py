@@ -97,6 +97,17 @@ class Config:
         "Write the run's results (strategy, world_size, steps, train_loss, samples_per_second, "
         "wall_seconds, ...) to this JSON file when the script ends (rank 0).",
     )
+    trace: str | None = option(
+        None,
+        "Write a Chrome/Perfetto trace of the job to this JSON file when the script ends: "
+        "one process per rank, spans for data, forward, backward, communication and "
+        "optimizer on one clock (open it in ui.perfetto.dev).",
+    )
+    trace_steps: str = option(
+        "0:50",
+        "The optimizer steps A:B (from step A up to, not including, step B) the trace "
+        "holds; bounds its size.",
+    )
     checkpoint_format: str = option(
         "consolidated",
         "consolidated (one safetensors file of the whole model, written by rank 0) or "
@@ -219,6 +230,7 @@ class Config:
                 f"--clip-grad-norm must be positive, got {self.clip_grad_norm}; use a bound such "
                 "as 1.0, or drop the flag to train without clipping."
             )
+        step_window(self.trace_steps)
         unknown = sorted(set(self.logger or ()) - set(LOGGERS))
         if unknown:
             raise ConfigError(
@@ -376,3 +388,18 @@ class Config:
         """The configuration `dtrain run` passed to this process, or None outside it."""
         text = os.environ.get(ENV_VAR)
         return cls.from_json(text) if text else None
+
+
+def step_window(text: str) -> tuple[int, int]:
+    """(A, B) of ``--trace-steps A:B``: optimizer steps A to B-1; a ConfigError otherwise."""
+    first, colon, last = text.partition(":")
+    try:
+        window = int(first), int(last)
+    except ValueError:
+        window = (-1, -1)
+    if not colon or window[0] < 0 or window[1] <= window[0]:
+        raise ConfigError(
+            f"--trace-steps must be A:B with 0 <= A < B (steps A to B-1), got '{text}'; for "
+            "example --trace-steps 10:30."
+        )
+    return window

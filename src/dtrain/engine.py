@@ -35,6 +35,7 @@ from dtrain.observe.loss import LossWatch
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput
 from dtrain.observe.report import RunReport
+from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal
 from dtrain.position import Position
 from dtrain.strategies import Strategy
@@ -68,6 +69,8 @@ class Engine:
         )
         self.report = RunReport(config, topology.is_main)
         """The metric logs (--logger) and the results JSON (--metrics-json)."""
+        self.timing = RunTiming(config, topology.device)
+        """Where each step's time goes (the breakdown, diagnosis and trace)."""
         self._step_refusal: SetupError | None = None
         """Why train_step cannot step the optimizer (one that needs a closure), if so."""
         self._stepping = False
@@ -163,6 +166,14 @@ class Engine:
         self.checkpoints.optimizer = optimizer
         if optimizer is not None:
             optimizer.register_step_post_hook(self._count_step)
+        self.strategy.timer = self.timing.timer
+        self.timing.start(
+            self.strategy.unwrap(),
+            optimizer,
+            self.strategy.train_group,
+            self.strategy.exchange_in_step,
+            lambda: self._stepping,
+        )
         layout = self.strategy.layout_text
         lrs = sorted({g["lr"] for g in optimizer.param_groups}) if optimizer else []
         banner = (
@@ -230,7 +241,11 @@ class Engine:
         already trained (whole epochs, then the batches of the epoch it stopped in).
         """
         yield from self._feeder.epoch(
-            loader, epoch, desc or f"epoch {epoch}", loss=lambda: self._watch.last
+            loader,
+            epoch,
+            desc or f"epoch {epoch}",
+            loss=lambda: self._watch.last,
+            waited=self.timing.timer.data_wait,
         )
         if self._watch.unread:
             self._read_loss()  # the epoch's last steps, before anything is saved
@@ -260,6 +275,8 @@ class Engine:
             raise SetupError("engine.train_step needs an optimizer; pass it to engine.setup.")
         if self._step_refusal is not None:
             raise self._step_refusal
+        timer = self.timing.timer
+        timer.begin_step(self.step + 1)
         batch = self.to_device(batch)
         k = self.config.grad_accumulation
         total = batch_size(batch)
@@ -274,16 +291,20 @@ class Engine:
         for i, part in enumerate(split(batch, k) if k > 1 else [batch]):
             sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
             weight = batch_size(part) / total if k > 1 else 1.0
+            timer.begin_micro()
             with sync:
                 loss = self.strategy.forward_backward(part, loss_fn, weight)
+            timer.end_micro()
             mean = loss if k == 1 else mean + loss * weight
             if measure:  # parameters held between forward and backward
                 held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
         assert isinstance(mean, torch.Tensor)
+        self.timing.per_device_batch = batch_size(part)
         self._watch.record(mean, self.step + 1)
         grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
         if (self.step + 1) % self.config.log_every == 0:
             self._read_loss()  # before the update: a non-finite loss never reaches it
+        timer.optimizer_mark()
         if self.config.clip_grad_norm is not None:
             self.clip_grad_norm_(self.config.clip_grad_norm)
         self._stepping = True
@@ -333,6 +354,7 @@ class Engine:
             raise
         if fresh and loss is not None:
             self._log_training(loss, watch.last_step)
+        self.timing.timer.collect()  # the read waited for the device: the marks are done
         return loss
 
     def _log_training(self, loss: float, step: int) -> None:
@@ -488,8 +510,14 @@ class Engine:
         self._closed = True
         forget(self)
         self.checkpoints.finish()
+        timing = (
+            self.timing.finish(self.strategy.train_group, self.is_main)
+            if self.model is not None
+            else {}
+        )
         metrics_path = self.report.finish(
             {
+                **timing,
                 "strategy": self.strategy.name,
                 "world_size": self.world_size,
                 "steps": self.step,

@@ -89,11 +89,17 @@ class Feeder:
         return DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
 
     def epoch(
-        self, loader: DataLoader, epoch: int, desc: str, loss: Callable[[], float | None]
+        self,
+        loader: DataLoader,
+        epoch: int,
+        desc: str,
+        loss: Callable[[], float | None],
+        waited: Callable[[float, float], None] | None = None,
     ) -> Iterator[Any]:
         """The batches of `epoch` that are still to train, with a progress bar showing
         `loss()`; selects the epoch's shuffle and, after a load, skips what the checkpoint
-        had already trained (whole epochs, then the batches of the epoch it stopped in)."""
+        had already trained (whole epochs, then the batches of the epoch it stopped in).
+        `waited` is told each wait for a batch (see `track`)."""
         sampler = loader.batch_sampler
         self._warn_if_unsharded(loader)
         skip = 0
@@ -120,6 +126,7 @@ class Feeder:
             loss=loss,
             desc=desc,
             enabled=self.is_main,
+            waited=waited,
         )
 
     def _warn_if_unsharded(self, loader: Any) -> None:

@@ -34,6 +34,7 @@ def track(
     loss: Callable[[], float | None],
     desc: str,
     enabled: bool,
+    waited: Callable[[float, float], None] | None = None,
 ) -> Iterator[T]:
     """Yield `items`, timing them into `throughput`; draw a bar when `enabled`.
 
@@ -45,6 +46,7 @@ def track(
         loss: returns the latest loss to show, or None.
         desc: label on the left of the bar.
         enabled: draw the bar (main rank only).
+        waited: told (start, end) of each wait for the next item (``time.perf_counter``).
     """
     bar = tqdm(
         total=total,
@@ -74,7 +76,7 @@ def track(
             bar.update(1)
 
     try:
-        for item in items:
+        for item in _timed(items, waited):
             try:
                 yield item
             except GeneratorExit:
@@ -83,3 +85,19 @@ def track(
             done()
     finally:
         bar.close()
+
+
+def _timed(items: Iterable[T], waited: Callable[[float, float], None] | None) -> Iterator[T]:
+    """`items`, telling `waited` how long each one took to arrive."""
+    if waited is None:
+        yield from items
+        return
+    iterator = iter(items)
+    while True:
+        start = time.perf_counter()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        waited(start, time.perf_counter())
+        yield item

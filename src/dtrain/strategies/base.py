@@ -22,6 +22,7 @@ from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.names import unknown_strategy
+from dtrain.observe.breakdown import StepTimer
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.topology import Topology, detect
 
@@ -52,6 +53,9 @@ class Strategy:
     """True if the optimizer the loop steps is a torch optimizer over `unwrap()`'s
     parameters, so torch.distributed.checkpoint's state_dict helpers read this rank's part
     directly (sharded checkpoints); False sends sharded checkpoints through `full_state`."""
+    exchange_in_step: ClassVar[bool] = False
+    """True if the optimizer step is the gradient exchange (parameter servers): the step
+    breakdown counts it as communication."""
     order: ClassVar[int] = 100
     """Position in listings (`--help`, error messages): simplest strategies first."""
 
@@ -59,6 +63,8 @@ class Strategy:
         self.config = config
         self.topology = topology
         self.model: nn.Module | None = None
+        self.timer: StepTimer | None = None
+        """The Engine's step timer, told when the forward of a micro-batch is done."""
 
     @classmethod
     def check_launch(cls, config: Config) -> None:
@@ -215,6 +221,8 @@ class Strategy:
         """
         with self.autocast():
             _, loss = forward_loss(self.model, batch, loss_fn)  # type: ignore[arg-type]
+        if self.timer is not None:
+            self.timer.forward_done()
         self.backward(loss if scale == 1 else loss * scale)
         return loss.detach()
 

@@ -50,6 +50,7 @@ class ParameterServer(Strategy):
     name = "ps"
     multiprocess = True
     state_by_module = False
+    exchange_in_step = True  # the step commits the gradients and waits for the update
     order = 30
 
     def __init__(self, config: Config, topology: Topology) -> None:

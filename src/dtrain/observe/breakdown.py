@@ -1,0 +1,209 @@
+"""Where each step's time goes, measured on every rank, always on.
+
+A step is the time from one `train_step` to the next. It is cut into:
+
+- ``data``: waiting for the loader's next batch (host time);
+- ``forward``: the model's forward and the loss;
+- ``backward``: backward up to the moment the last parameter's gradient is ready (a
+  ``register_post_accumulate_grad_hook`` on every parameter marks it);
+- ``communication``: what backward still waited for after that, the gradient
+  synchronisation compute did not hide (DDP's last buckets, a straggler's lateness), plus
+  the optimizer step of strategies whose step is the exchange itself (parameter servers);
+- ``optimizer``: clipping and the optimizer step;
+- ``other``: the rest (the user's loop between steps, logging, checkpoints).
+
+Marks come from `dtrain.observe.clock` (CUDA events on a GPU), so nothing here makes the
+host wait for the device; marks are turned into seconds when the Engine reads the loss
+back anyway. A hand-written loop (its own backward and ``optimizer.step()``) gets data,
+optimizer and step; its forward and backward count as other.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from dtrain.observe.clock import HostClock, Mark
+
+PHASES = ("data", "forward", "backward", "communication", "optimizer", "other", "step")
+"""The keys of one rank's breakdown, seconds per step (the metrics JSON's contract)."""
+
+KEPT_STEPS = 10_000
+"""Steps whose times are kept for the medians (the most recent ones)."""
+
+Span = tuple[str, int, float, float]
+"""(phase, optimizer step, start, duration), seconds on the aligned clock."""
+
+
+@dataclass
+class _Micro:
+    """Marks of one micro-batch: begin, forward done, last gradient ready, backward done."""
+
+    begin: Mark
+    forward: Mark | None = None
+    grad: Mark | None = None
+    end: Mark | None = None
+
+
+@dataclass
+class _Step:
+    """The marks of one step until they are resolved into seconds."""
+
+    number: int
+    start: Mark
+    micros: list[_Micro] = field(default_factory=list)
+    optimizer: list[Mark] = field(default_factory=list)
+    data: tuple[float, float] | None = None
+    """Host seconds (since the origin) of the wait for the next step's batch."""
+
+
+def warmup_steps(count: int) -> int:
+    """Steps left out of the medians at the start: the first ones build caches, buckets
+    and allocator pools."""
+    return 3 if count > 6 else 1 if count > 2 else 0
+
+
+class StepTimer:
+    """The marks of the running steps and the seconds of the finished ones.
+
+    Args:
+        clock: where marks come from.
+        exchange_in_step: True where the optimizer step is the gradient exchange (the
+            parameter servers' push/pull): it counts as communication.
+        trace_window: keep spans of optimizer steps A to B-1 for the trace, or None.
+    """
+
+    def __init__(
+        self,
+        clock: HostClock,
+        exchange_in_step: bool = False,
+        trace_window: tuple[int, int] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.exchange_in_step = exchange_in_step
+        self.trace_window = trace_window
+        self.times: dict[str, deque[float]] = {p: deque(maxlen=KEPT_STEPS) for p in PHASES}
+        """Seconds of each finished step, by phase (``other`` is per step too)."""
+        self.spans: list[Span] = []
+        """Spans of the traced steps."""
+        self._open: list[_Step] = []
+        self._micro: _Micro | None = None
+
+    # -- marks (the hot path: no host synchronisation) ----------------------------------
+    def watch(self, module: nn.Module) -> None:
+        """Mark "last gradient ready" from every trainable parameter of `module`."""
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, _: object) -> None:
+        micro = self._micro
+        if micro is not None:
+            micro.grad = self.clock.mark(micro.grad)
+
+    def begin_step(self, number: int) -> None:
+        """Step `number` (1-based) starts now; the step before it ends here."""
+        self._open.append(_Step(number, self.clock.mark()))
+
+    def begin_micro(self) -> None:
+        """A micro-batch's forward starts now."""
+        if self._open:
+            self._micro = _Micro(self.clock.mark())
+            self._open[-1].micros.append(self._micro)
+
+    def forward_done(self) -> None:
+        """The micro-batch's loss is computed; backward starts."""
+        if self._micro is not None:
+            self._micro.forward = self.clock.mark()
+
+    def end_micro(self) -> None:
+        """The micro-batch's backward (with its gradient synchronisation) returned."""
+        if self._micro is not None:
+            self._micro.end = self.clock.mark()
+            self._micro = None
+
+    def optimizer_mark(self) -> None:
+        """The optimizer phase starts (first call of a step) or ends (second call)."""
+        if self._open:
+            self._open[-1].optimizer.append(self.clock.mark())
+
+    def data_wait(self, start: float, end: float) -> None:
+        """The loop waited from host time `start` to `end` (``time.perf_counter``) for the
+        next batch: counted in the step now running, which that wait delays."""
+        if self._open:
+            origin = self.clock.origin
+            self._open[-1].data = (start - origin, end - origin)
+
+    # -- resolving, where the host waits anyway ------------------------------------------
+    def collect(self, final: bool = False) -> None:
+        """Turn every finished step's marks into seconds; with `final`, end the last step
+        now too (at the end of the run)."""
+        if final and self._open:
+            self.begin_step(-1)  # the end of the last step
+        if len(self._open) < 2:
+            if final:
+                self._open.clear()
+            return
+        done, nxt = self._open[:-1], self._open[-1]
+        marks: list[Mark] = []
+        for step in done:
+            marks.append(step.start)
+            for m in step.micros:
+                marks += [m.begin, m.forward, m.grad, m.end]
+            marks += step.optimizer
+        marks.append(nxt.start)
+        present = [m for m in marks if m is not None]
+        seconds = dict(zip(map(id, present), self.clock.seconds(present), strict=True))
+
+        def at(mark: Mark | None) -> float | None:
+            return None if mark is None else seconds[id(mark)]
+
+        for i, step in enumerate(done):
+            following = done[i + 1].start if i + 1 < len(done) else nxt.start
+            self._resolve(step, at(step.start), at(following), at)
+        self._open = [] if final else [nxt]
+
+    def _resolve(
+        self, step: _Step, start: float, end: float, at: Callable[[Mark | None], float | None]
+    ) -> None:
+        parts = dict.fromkeys(PHASES, 0.0)
+        spans: list[tuple[str, float, float]] = []
+        for m in step.micros:
+            begin, fwd, grad, stop = at(m.begin), at(m.forward), at(m.grad), at(m.end)
+            if begin is None or stop is None:
+                continue
+            fwd = begin if fwd is None else fwd
+            ready = stop if grad is None else min(max(grad, fwd), stop)
+            spans += [("forward", begin, fwd), ("backward", fwd, ready)]
+            spans.append(("communication", ready, stop))
+        if len(step.optimizer) >= 2:
+            o0, o1 = at(step.optimizer[0]), at(step.optimizer[-1])
+            name = "communication" if self.exchange_in_step else "optimizer"
+            spans.append((name, o0, o1))  # type: ignore[arg-type]
+        if step.data is not None:
+            spans.append(("data", *step.data))
+        for name, a, b in spans:
+            parts[name] += max(0.0, b - a)
+        parts["step"] = end - start
+        parts["other"] = max(0.0, parts["step"] - sum(parts[p] for p in PHASES[:5]))
+        for name in PHASES:
+            self.times[name].append(parts[name])
+        window = self.trace_window
+        if window is not None and window[0] <= step.number - 1 < window[1]:
+            self.spans += [(n, step.number, a, b - a) for n, a, b in spans if b > a]
+
+    def medians(self) -> dict[str, float] | None:
+        """Seconds per step by phase: medians over the finished steps after warm-up, with
+        ``other`` what the step's median leaves after the parts (so they add up); None
+        before two steps have finished."""
+        count = len(self.times["step"])
+        if count < 2:
+            return None
+        skip = warmup_steps(count)
+        median = {p: statistics.median(list(self.times[p])[skip:]) for p in PHASES}
+        median["other"] = max(0.0, median["step"] - sum(median[p] for p in PHASES[:5]))
+        return median

@@ -1,0 +1,179 @@
+"""Why a run is not faster, in plain words, from every rank's step breakdown.
+
+Each rule looks at the medians of `dtrain.observe.breakdown` (seconds per step, one dict
+per rank) and names one cause with the figures it saw and what to change:
+
+- ``straggler``: one rank is busy (everything but communication) clearly longer than the
+  others, who wait for it at every synchronisation;
+- ``data``: the loop waits for the next batch for a good share of the step;
+- ``communication``: the exchange that compute did not hide (t2 against compute t1);
+- ``small-batch``: each device gets so few samples that fixed costs dominate the step;
+- ``memory``: a device ran close to its memory's end.
+
+Causes are ordered by the share of the step they cost, most important first.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+SHARE = 0.2
+"""A cause is reported when it costs at least this share of the step."""
+
+SMALL_BATCH = 16
+"""Per-device batches below this many samples rarely keep a device busy."""
+
+MEMORY_SHARE = 0.9
+"""Peak memory above this share of a device's memory is reported."""
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _compute(part: dict[str, float]) -> float:
+    """t1: forward and backward compute of one step."""
+    return part["forward"] + part["backward"]
+
+
+def _busy(part: dict[str, float]) -> float:
+    """Everything a rank does in a step except waiting in communication."""
+    return part["step"] - part["communication"]
+
+
+def diagnose(
+    breakdown: list[dict[str, float]],
+    per_device_batch: int | None = None,
+    memory: list[tuple[int, int] | None] | None = None,
+) -> list[dict[str, Any]]:
+    """The causes, most important first: ``{"cause", "rank", "message"}`` each.
+
+    Args:
+        breakdown: per rank, seconds per step by phase (`PHASES`).
+        per_device_batch: samples each device computes per step, if known.
+        memory: per rank, (peak bytes, device bytes) where the device reports them.
+    """
+    if not breakdown:
+        return []
+    found: list[tuple[float, dict[str, Any]]] = []
+    step = statistics.median(p["step"] for p in breakdown)
+    if step <= 0:
+        return []
+    slow = _straggler(breakdown, step)
+    if slow is not None:
+        found.append(slow)
+    data = statistics.median(p["data"] for p in breakdown)
+    if data >= SHARE * step:
+        found.append(
+            (
+                data / step,
+                {
+                    "cause": "data",
+                    "rank": None,
+                    "message": f"Each step waits {_ms(data)} of its {_ms(step)} for the next "
+                    "batch: the input pipeline is the bottleneck. Give the DataLoader more "
+                    "worker processes (num_workers=4 or more), pin memory, or prepare the "
+                    "samples ahead of training.",
+                },
+            )
+        )
+    waiting = [p for i, p in enumerate(breakdown) if slow is None or i != slow[1]["rank"]]
+    t2 = statistics.median(p["communication"] for p in waiting)
+    t1 = statistics.median(_compute(p) for p in waiting)
+    if slow is None and t2 >= SHARE * step:
+        found.append(
+            (
+                t2 / step,
+                {
+                    "cause": "communication",
+                    "rank": None,
+                    "message": f"Communication that compute did not hide takes {_ms(t2)} of "
+                    f"each {_ms(step)} step, against {_ms(t1)} of forward and backward "
+                    "compute (t1): the devices wait for the network. Raise the per-device "
+                    "batch or use --grad-accumulation so each exchange carries more "
+                    "compute, use --hierarchical across machines, or a strategy that moves "
+                    "fewer bytes per step.",
+                },
+            )
+        )
+    if per_device_batch is not None and per_device_batch < SMALL_BATCH and t1 < 0.5 * step:
+        found.append(
+            (
+                # Behind a cause it feeds (communication, other fixed costs): half weight.
+                0.5 * (1 - t1 / step),
+                {
+                    "cause": "small-batch",
+                    "rank": None,
+                    "message": f"Each device computes {per_device_batch} sample(s) per step, "
+                    f"and forward and backward take only {_ms(t1)} of the {_ms(step)} "
+                    "step: fixed costs per step dominate. Keep each device's batch large "
+                    "(raise the global batch with the number of devices, and the learning "
+                    "rate with it) instead of spreading a fixed batch thinner.",
+                },
+            )
+        )
+    for rank, usage in enumerate(memory or []):
+        if usage is not None and usage[1] > 0 and usage[0] >= MEMORY_SHARE * usage[1]:
+            peak, total = usage
+            found.append(
+                (
+                    1.0,
+                    {
+                        "cause": "memory",
+                        "rank": rank,
+                        "message": f"Rank {rank} peaked at {peak / 2**30:.1f} GiB of its "
+                        f"device's {total / 2**30:.1f} GiB: close to running out. Shard the "
+                        "model state (--strategy zero2 or zero3), lower the per-device "
+                        "batch, or use --precision bf16-mixed.",
+                    },
+                )
+            )
+    found.sort(key=lambda item: -item[0])
+    return [cause for _, cause in found]
+
+
+def _straggler(
+    breakdown: list[dict[str, float]], step: float
+) -> tuple[float, dict[str, Any]] | None:
+    """The rank whose busy time exceeds the others' by a good share of the step."""
+    if len(breakdown) < 2:
+        return None
+    busy = [_busy(p) for p in breakdown]
+    rank = max(range(len(busy)), key=busy.__getitem__)
+    others = statistics.median(b for i, b in enumerate(busy) if i != rank)
+    lateness = busy[rank] - others
+    if lateness < SHARE * step:
+        return None
+    return (
+        lateness / step,
+        {
+            "cause": "straggler",
+            "rank": rank,
+            "message": f"Rank {rank} is busy {_ms(busy[rank])} per step against {_ms(others)} "
+            f"on the others, so they wait about {_ms(lateness)} for it at every step. Look "
+            "at what else runs on its device or machine, its share of the data, and extra "
+            "work the loop does on that rank only.",
+        },
+    )
+
+
+def table(breakdown: list[dict[str, float]], causes: list[dict[str, Any]]) -> str:
+    """The end-of-run summary: one row per rank (milliseconds per step), then the causes."""
+    columns = ("data", "forward", "backward", "communication", "optimizer", "other", "step")
+    heads = ("rank", "data", "fwd", "bwd", "comm", "optim", "other", "step")
+    lines = [
+        "dtrain: where each step's time went (ms per step, medians after warm-up)",
+        " ".join(f"{h:>7}" for h in heads),
+    ]
+    for rank, part in enumerate(breakdown):
+        cells = [f"{rank:>7}"] + [f"{part[c] * 1000:>7.1f}" for c in columns]
+        lines.append(" ".join(cells))
+    if causes:
+        lines.append("dtrain: what to change, most important first:")
+        lines += [f"  [{c['cause']}] {c['message']}" for c in causes]
+    else:
+        lines.append(
+            "dtrain: no bottleneck stands out: compute takes most of each step on every rank."
+        )
+    return "\n".join(lines)

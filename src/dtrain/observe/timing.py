@@ -1,0 +1,111 @@
+"""The Engine's side of the step breakdown: start the clocks together, mark the phases,
+and at the end gather every rank's medians, diagnose, print, trace.
+
+Everything per step only records marks (`dtrain.observe.breakdown`); the only
+collectives are one barrier at setup (to align the ranks' clocks) and one gather at the
+end of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.collectives import barrier, gather_objects
+from dtrain.config import Config, step_window
+from dtrain.observe.breakdown import StepTimer
+from dtrain.observe.clock import clock_for
+from dtrain.observe.diagnosis import diagnose, table
+from dtrain.observe.logs import LOGGER
+from dtrain.observe.trace import write_trace
+
+
+class RunTiming:
+    """One rank's step timer and what the run makes of it at the end.
+
+    Args:
+        config: the run's options (``trace``, ``trace_steps``).
+        device: where this rank computes (CUDA events there, host time otherwise).
+    """
+
+    def __init__(self, config: Config, device: torch.device) -> None:
+        self.device = device
+        self.trace_path = Path(config.trace) if config.trace else None
+        window = step_window(config.trace_steps) if self.trace_path else None
+        self.timer = StepTimer(clock_for(device), trace_window=window)
+        self.per_device_batch: int | None = None
+        """Samples one device computes per micro-batch, once a step has run."""
+
+    def start(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        group: dist.ProcessGroup | None,
+        exchange_in_step: bool,
+        in_train_step: Callable[[], bool],
+    ) -> None:
+        """Align the ranks' clocks (a barrier over `group`) and hook the marks into
+        `module`'s gradients and `optimizer`'s step; `in_train_step` tells whether an
+        optimizer step comes from `train_step` (which opens its steps itself) or from a
+        hand-written loop (whose steps run from one optimizer step to the next)."""
+        self.timer.exchange_in_step = exchange_in_step
+        barrier(group)
+        self.timer.clock.restart()
+        self.timer.watch(module)
+        if optimizer is None:
+            return
+        timer = self.timer
+
+        def before(*_: Any) -> None:
+            timer.optimizer_mark()
+
+        def after(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            timer.optimizer_mark()
+            if not in_train_step():
+                timer.begin_step(-1)
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+
+    def finish(self, group: dist.ProcessGroup | None, is_main: bool) -> dict[str, Any]:
+        """Gather every rank's breakdown (a collective over `group`); on the main rank,
+        print the table and the diagnosis, write the trace, and return the metrics JSON's
+        ``breakdown`` and ``diagnosis``; elsewhere, or with no finished steps, {}."""
+        timer = self.timer
+        timer.collect(final=True)
+        mine = {
+            "breakdown": timer.medians(),
+            "spans": timer.spans if self.trace_path else [],
+            "memory": self._memory(),
+        }
+        everyone = gather_objects(mine, group) if dist.is_initialized() else [mine]
+        if not is_main:
+            return {}
+        if self.trace_path is not None:
+            path = write_trace(self.trace_path, [r["spans"] for r in everyone])
+            first, last = timer.trace_window or (0, 0)
+            print(
+                f"dtrain: trace of steps {first} to {last - 1} in {path} (open it in "
+                "ui.perfetto.dev).",
+                flush=True,
+            )
+        breakdown = [r["breakdown"] for r in everyone]
+        if any(b is None for b in breakdown):
+            return {}
+        causes = diagnose(breakdown, self.per_device_batch, [r["memory"] for r in everyone])
+        text = table(breakdown, causes)
+        LOGGER.info(text)
+        print(text, flush=True)
+        return {"breakdown": breakdown, "diagnosis": causes}
+
+    def _memory(self) -> tuple[int, int] | None:
+        """(peak bytes reserved, the device's bytes) on a GPU; None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return torch.cuda.max_memory_reserved(self.device), total

@@ -1,0 +1,146 @@
+"""The step breakdown, the diagnosis and the trace: planted causes named first, parts that
+add up to the step, every rank's spans in the trace."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+from torch import nn
+from torch.utils.data import Dataset
+
+import dtrain
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.observe.breakdown import PHASES
+from dtrain.observe.diagnosis import diagnose, table
+from dtrain.observe.trace import trace_events
+
+STEPS = 16
+
+
+class Samples(Dataset):
+    """Random digits-like samples; with `delay`, each one takes that long to make."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return 4096
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.randn(64), torch.tensor(i % 10)
+
+
+def planted(cause: str, out: str) -> dict:
+    """Train STEPS steps of ddp with one cause planted; return the timing results (rank 0;
+    {} elsewhere). The last cause closes the engine, writing the metrics JSON and trace."""
+    last = cause == "communication"
+    engine = dtrain.init(
+        strategy="ddp",
+        seed=0,
+        metrics_json=f"{out}/metrics.json" if last else None,
+        trace=f"{out}/trace.json" if last else None,
+        trace_steps="2:8",
+    )
+    width = 2048 if cause == "communication" else 64
+    model = nn.Sequential(
+        nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.Linear(width, 10)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = engine.setup(model, optimizer)
+    per_rank = 2 if cause == "communication" else 16
+    data = Samples(delay=0.002 if cause == "data" else 0.0)
+    loader = engine.dataloader(data, batch_size=per_rank)
+    for batch in engine.progress(loader):
+        engine.train_step(batch, F.cross_entropy)
+        if cause == "straggler" and engine.rank == 1:
+            time.sleep(0.03)
+        if engine.step == STEPS:
+            break
+    del model, optimizer
+    if last:
+        engine.close()
+        return json.loads(Path(out, "metrics.json").read_text()) if engine.is_main else {}
+    results = engine.timing.finish(engine.strategy.train_group, engine.is_main)
+    engine.strategy.close()
+    return results
+
+
+def planted_causes(out: str) -> dict[str, dict]:
+    return {c: planted(c, out) for c in ("straggler", "data", "communication")}
+
+
+@pytest.mark.timeout(180)
+def test_planted_causes_are_named_first_and_the_trace_holds_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(planted_causes, 2, str(tmp_path), timeout=170)[0]
+    for cause, result in results.items():
+        first = result["diagnosis"][0]
+        assert first["cause"] == cause, (cause, result["diagnosis"])
+        assert first["rank"] == (1 if cause == "straggler" else None)
+        assert "ms" in first["message"]
+        assert len(result["breakdown"]) == 2
+        for part in result["breakdown"]:
+            assert set(part) == set(PHASES)
+            parts = sum(part[p] for p in PHASES if p != "step")
+            assert parts == pytest.approx(part["step"], rel=0.1), (cause, part)
+    assert results["communication"]["strategy"] == "ddp"  # the metrics JSON itself
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert {e["args"]["step"] for e in spans} == set(range(3, 9))
+    for rank in (0, 1):
+        names = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"forward", "backward", "communication", "optimizer", "data"} <= names
+
+
+def test_each_rule_names_its_cause_with_the_figures() -> None:
+    quiet = dict(data=0.001, forward=0.01, backward=0.02, communication=0.002, optimizer=0.001)
+    quiet["other"] = 0.001
+    quiet["step"] = sum(quiet.values())
+    assert diagnose([quiet, quiet]) == []
+    late = {**quiet, "other": 0.05, "step": quiet["step"] + 0.05}
+    waiting = {**quiet, "communication": 0.052, "step": quiet["step"] + 0.05}
+    [slow] = diagnose([waiting, late, waiting])
+    assert slow["cause"] == "straggler" and slow["rank"] == 1
+    assert "Rank 1 is busy 83.0 ms" in slow["message"]
+    hungry = {**quiet, "data": 0.04, "step": quiet["step"] + 0.039}
+    assert diagnose([hungry])[0]["cause"] == "data"
+    chatty = {**quiet, "communication": 0.05, "step": quiet["step"] + 0.048}
+    causes = diagnose([chatty, chatty], per_device_batch=4)
+    assert [c["cause"] for c in causes] == ["communication", "small-batch"]
+    full = diagnose([quiet], memory=[(95 * 2**30, 100 * 2**30)])
+    assert full[0]["cause"] == "memory" and full[0]["rank"] == 0
+    assert "dtrain: what to change" in table([chatty], causes)
+
+
+def test_trace_events_are_chrome_complete_events() -> None:
+    events = trace_events([[("forward", 3, 0.5, 0.25)], []])
+    [span] = [e for e in events if e["ph"] == "X"]
+    assert span == {
+        "name": "forward",
+        "cat": "step",
+        "ph": "X",
+        "pid": 0,
+        "tid": 0,
+        "ts": 500000.0,
+        "dur": 250000.0,
+        "args": {"step": 3},
+    }
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {
+        "rank 0",
+        "rank 1",
+    }
+
+
+@pytest.mark.parametrize("window", ["5", "8:3", "a:b", "-1:4"])
+def test_a_malformed_trace_window_is_refused(window: str) -> None:
+    with pytest.raises(ConfigError, match="--trace-steps must be A:B"):
+        Config(trace="t.json", trace_steps=window)
