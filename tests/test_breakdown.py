@@ -17,8 +17,11 @@ from torch.utils.data import Dataset
 import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.models.gpt import GPTConfig
+from dtrain.observe import flops
 from dtrain.observe.breakdown import PHASES
 from dtrain.observe.diagnosis import diagnose, table
+from dtrain.observe.flops import flops_per_token, gpt_throughput
 from dtrain.observe.trace import trace_events
 
 STEPS = 16
@@ -144,3 +147,15 @@ def test_trace_events_are_chrome_complete_events() -> None:
 def test_a_malformed_trace_window_is_refused(window: str) -> None:
     with pytest.raises(ConfigError, match="--trace-steps must be A:B"):
         Config(trace="t.json", trace_steps=window)
+
+
+def test_gpt_tokens_per_second_and_model_flops_utilisation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = GPTConfig(dim=64, layers=2, heads=4, context=64)
+    assert flops_per_token(config, 1000) == 6 * 1000 + 12 * 2 * 64 * 64
+    on_cpu = gpt_throughput(config, 1000, 10.0, 2, torch.device("cpu"), "fp32")
+    assert on_cpu == {"tokens_per_second": 640.0, "model_flops_utilisation": None}
+    monkeypatch.setattr(flops, "peak_flops", lambda device, precision: 1e9)
+    known = gpt_throughput(config, 1000, 10.0, 2, torch.device("cpu"), "fp32")
+    assert known["model_flops_utilisation"] == pytest.approx(640 * 104304 / 2e9)

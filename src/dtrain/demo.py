@@ -24,6 +24,8 @@ from dtrain.errors import ConfigError
 from dtrain.flags import add_topology_args
 from dtrain.lr import LRSchedule, scale_lr
 from dtrain.models import build
+from dtrain.models.gpt import GPT
+from dtrain.observe.flops import gpt_throughput
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.metrics import format_memory, format_table
 from dtrain.tasks import TASKS, make_optimizer
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     train_set, test_set = task.data(model)
     lr = scale_lr(args.lr, args.global_batch_size, args.ref_batch_size, args.lr_scaling)
     optimizer = make_optimizer(args.optimizer, model, lr)
+    gpt = model if isinstance(model, GPT) else None
+    parameters = sum(p.numel() for p in model.parameters())  # the whole model, before a split
     model, optimizer = engine.setup(model, optimizer)
     loader = engine.dataloader(train_set, batch_size=per_worker)
     test_loader = engine.dataloader(
@@ -196,6 +200,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "wall_seconds": time.perf_counter() - wall_start,
         **engine.strategy.report(),
     }
+    if gpt is not None:
+        metrics |= gpt_throughput(
+            gpt.config,
+            parameters,
+            engine.throughput.samples_per_second,
+            engine.world_size,
+            engine.topology.device,
+            engine.config.precision,
+        )
     if engine.config.memory_report:
         metrics["memory"] = engine.memory_report()
     engine.report.results.update(metrics)  # the metrics JSON, written by engine.close
