@@ -8,7 +8,6 @@ inside the paths that use them, after the command line has been parsed and check
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from dtrain.bench.comm_flags import add_args as add_comm_args
 from dtrain.config import Config
 from dtrain.config_file import add_config_arg, parse_with_config
 from dtrain.demo_flags import add_training_args
-from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
+from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.flags import add_topology_args, config_from
 
 DEMO_MODULE = "dtrain.demo"
@@ -106,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_demo(config: Config, args: argparse.Namespace) -> None:
     from dtrain import demo
+    from dtrain.launch.hosts import as_nodes, hosts_of
     from dtrain.strategies import lookup
+
+    hosts = hosts_of(config)
+    if hosts is not None:
+        config = as_nodes(config, hosts)
 
     dp_size, splits = lookup(config.strategy).batch_layout(config)
     demo.complete_args(args)
@@ -126,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return _bench(config, argv)
         if args.strategy is None:
+            many = config.hosts or config.hostfile
+            processes = "every host's processes" if many else f"{config.nproc * config.nnodes}"
             print(
-                f"dtrain: strategy {config.strategy} ({config.nproc * config.nnodes} "
-                "process(es); choose another with --strategy).",
+                f"dtrain: strategy {config.strategy} ({processes}"
+                f"{'' if many else ' process(es)'}; choose another with --strategy).",
                 file=sys.stderr,
                 flush=True,
             )
@@ -140,22 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _check_demo(config, args)
             launch(config, Target("module", DEMO_MODULE, tuple(argv[1:])))
-    except ConfigError as e:
-        print(f"dtrain: error: {e}", file=sys.stderr)
-        return 2
-    except LaunchError as e:
-        print(f"dtrain: the job failed.\n{e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        e = Stopped(signal.SIGINT)  # Ctrl-C before the agent took over the signal
-        print(f"dtrain: {e}", file=sys.stderr)
-        return e.exit_code
-    except Stopped as e:
-        print(f"dtrain: {e}", file=sys.stderr)
-        return e.exit_code
-    except DtrainError as e:
-        print(f"dtrain: error: {e}", file=sys.stderr)
-        return 1
+    except (DtrainError, KeyboardInterrupt) as e:
+        message, code = exit_report(e)
+        print(f"dtrain: {message}", file=sys.stderr)
+        return code
     return 0
 
 

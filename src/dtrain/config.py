@@ -177,6 +177,19 @@ class Config:
         "Comma-separated layer names that begin a pipeline stage (default: balanced by "
         "parameter count).",
     )
+    hosts: list[str] | None = option(
+        None,
+        "Start every machine from this one over ssh: comma-separated HOST:SLOTS (processes "
+        "on that host); the first host serves the rendezvous.",
+        flag="-H/--hosts",
+    )
+    hostfile: str | None = option(
+        None, "Like -H, from a file of lines 'HOST slots=N' (DeepSpeed's and OpenMPI's form)."
+    )
+    ssh_port: int = option(22, "The port sshd listens on, on every host of -H/--hostfile.")
+    ssh_identity: str | None = option(
+        None, "The private key ssh logs in with on every host of -H/--hostfile."
+    )
     extra: dict[str, str] = field(default_factory=dict)
     """Strategy-specific options added by later strategies (not a flag)."""
 
@@ -185,9 +198,11 @@ class Config:
 
     def validate(self) -> None:
         """Check the values that do not depend on the machine; raise ConfigError if wrong.
-        An unset strategy becomes ddp with more than one process, else single."""
+        An unset strategy becomes ddp with more than one process (or any -H/--hostfile
+        job), else single."""
         if self.strategy is None:
-            self.strategy = "ddp" if self.nproc * self.nnodes > 1 else "single"
+            many = self.nproc * self.nnodes > 1 or self.hosts or self.hostfile
+            self.strategy = "ddp" if many else "single"
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be at least 1, got {self.nproc}.")
         if self.towers is not None and self.towers < 1:
@@ -210,6 +225,15 @@ class Config:
             host, _, port = self.master.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--master must be HOST:PORT, got {self.master!r}.")
+        if self.hosts and self.hostfile:
+            raise ConfigError(
+                "Give the hosts either with -H or with --hostfile, not both; drop one of them."
+            )
+        if (self.hosts or self.hostfile) and (self.nnodes != 1 or self.master):
+            raise ConfigError(
+                "-H/--hostfile start every machine from this one and set --nnodes, "
+                "--node-rank, --master and --nproc for each; drop those flags."
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")
         if self.precision not in PRECISIONS:

@@ -498,9 +498,11 @@ class Engine:
         dist.all_reduce(t, group=self.strategy.dp_group)
         return t.item() / dist.get_world_size(self.strategy.dp_group)
 
-    def close(self) -> None:
-        """Release the strategy's wrappers, then leave the process group (once; done at
-        exit if the script does not call it).
+    def close(self, *, failed: bool = False) -> None:
+        """Print where the time went, release the strategy's wrappers, then leave the
+        process group (once; done at exit if the script does not call it). `failed`: the
+        script is ending on an error, so the end-of-run summary, which needs every rank,
+        is skipped.
 
         The group is destroyed only once no wrapped model (DDP) is still referenced:
         destroying it under a live DDP object can abort the process on gloo.
@@ -512,7 +514,7 @@ class Engine:
         self.checkpoints.finish()
         timing = (
             self.timing.finish(self.strategy.train_group, self.is_main)
-            if self.model is not None
+            if self.model is not None and not failed
             else {}
         )
         metrics_path = self.report.finish(

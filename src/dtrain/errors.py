@@ -64,3 +64,19 @@ class Stopped(DtrainError):
             "written are intact (dtrain demo continues from them with --resume)."
         )
         self.exit_code = 128 + int(signum)
+
+
+def exit_report(error: DtrainError | KeyboardInterrupt) -> tuple[str, int]:
+    """(the line to print, the exit code) a command ends with on `error`: 2 for bad
+    input, the workers' own code for a failed job, 128 + the signal when stopped, 1 for
+    any other of dtrain's errors. Ctrl-C before the agent took over the signal counts as
+    SIGINT."""
+    if isinstance(error, KeyboardInterrupt):
+        error = Stopped(signal.SIGINT)
+    if isinstance(error, ConfigError):
+        return f"error: {error}", 2
+    if isinstance(error, LaunchError):
+        return f"the job failed.\n{error}", error.exit_code
+    if isinstance(error, Stopped):
+        return str(error), error.exit_code
+    return f"error: {error}", 1

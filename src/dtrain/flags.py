@@ -43,10 +43,14 @@ def add_topology_args(parser: argparse.ArgumentParser) -> None:
             convert = _device_list
         if f.name in ("blocks", "split_points", "logger"):
             convert = _name_list
+        if f.name == "hosts":
+            convert = _name_list
         help_text = f.metadata["help"]
         if f.name == "strategy":
             help_text += " One of: " + ", ".join(STRATEGIES) + "."
-        group.add_argument(flag, dest=f.name, type=convert, default=f.default, help=help_text)
+        group.add_argument(
+            *flag.split("/"), dest=f.name, type=convert, default=f.default, help=help_text
+        )
 
 
 def config_from(args: argparse.Namespace) -> Config:

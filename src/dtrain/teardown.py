@@ -22,7 +22,7 @@ from typing import Protocol
 class Closable(Protocol):
     """What the registry closes (an Engine)."""
 
-    def close(self) -> None: ...
+    def close(self, *, failed: bool = False) -> None: ...
 
 
 _OPEN: weakref.WeakSet[Closable] = weakref.WeakSet()
@@ -43,16 +43,20 @@ def forget_all() -> None:
     _OPEN.clear()
 
 
-def close_all() -> None:
-    """Close every Engine still open, newest first."""
+def close_all(failed: bool | None = None) -> None:
+    """Close every Engine still open, newest first. `failed`: the process ends on an error
+    (at interpreter exit: an exception nobody caught), so the other ranks may not reach
+    the collectives a normal close runs."""
+    if failed is None:
+        failed = hasattr(sys, "last_value")  # set when an uncaught exception was printed
     for engine in reversed(list(_OPEN)):
-        engine.close()
+        engine.close(failed=failed)
 
 
 def exit_now(code: int) -> None:
     """Close what is open, flush every output, and end the process with `code` at once."""
     try:
-        close_all()
+        close_all(failed=code != 0)
     finally:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -31,7 +31,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.launch import bootstrap
+from dtrain.launch.hosts import as_nodes, hosts_of
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
+from dtrain.launch.remote import RANK_PREFIX_VAR
+from dtrain.launch.ssh import launch_over_ssh
 from dtrain.parallel.data_parallel import OFFLOAD_NEEDS_GPUS
 from dtrain.strategies import lookup
 from dtrain.strategies.ddp import SYNC_BATCHNORM_NEEDS_GPUS
@@ -74,7 +77,16 @@ def check_devices(config: Config) -> None:
 
 
 def launch(config: Config, target: Target) -> None:
-    """Run `target` under `config`; raise LaunchError naming the ranks that failed."""
+    """Run `target` under `config`; raise LaunchError naming the ranks that failed.
+
+    With -H/--hostfile, this machine starts every host over ssh instead (each of them
+    then comes back here with its node rank)."""
+    hosts = hosts_of(config)
+    if hosts is not None:
+        lookup(config.strategy).check_launch(as_nodes(config, hosts))
+        target.check()
+        launch_over_ssh(config, target, hosts)
+        return
     strategy = lookup(config.strategy)
     strategy.check_launch(config)
     strategy.check_options(config)
@@ -195,6 +207,7 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_worker(nproc))
     os.environ[LAUNCHER_PID] = str(os.getpid())
     log_dir = scratch_folder()
+    prefixed = os.environ.get(RANK_PREFIX_VAR) == "1"  # a host started over ssh
     launch_config = LaunchConfig(
         min_nodes=config.nnodes,
         max_nodes=config.nnodes,
@@ -202,7 +215,8 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
         max_restarts=config.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL if prefixed else Std.NONE),
+        log_line_prefix_template="[rank ${rank}] " if prefixed else None,
         **_rendezvous(config),  # type: ignore[arg-type]
     )
     command = ("-u", "-m", bootstrap.__name__, target.kind, target.name, *target.args)
