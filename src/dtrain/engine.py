@@ -11,7 +11,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import gc
-import math
 import os
 import weakref
 from collections.abc import Iterable, Iterator
@@ -27,11 +26,12 @@ from dtrain.batches import LossFn, batch_size, split, to_device
 from dtrain.checkpointing import Checkpoints
 from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config
-from dtrain.errors import ConfigError, NonFiniteLossError, SetupError
+from dtrain.errors import ConfigError, SetupError
 from dtrain.evaluation import evaluation_sums, shortfall
 from dtrain.feeding import Feeder
 from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.loss import LossWatch
+from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput
 from dtrain.observe.report import RunReport
@@ -71,6 +71,7 @@ class Engine:
         """The metric logs (--logger) and the results JSON (--metrics-json)."""
         self.timing = RunTiming(config, topology.device)
         """Where each step's time goes (the breakdown, diagnosis and trace)."""
+        self._reads = LossReads(self._watch, self.report, self.throughput, self.timing.timer)
         self._step_refusal: SetupError | None = None
         """Why train_step cannot step the optimizer (one that needs a closure), if so."""
         self._stepping = False
@@ -341,36 +342,7 @@ class Engine:
         return norm
 
     def _read_loss(self) -> float | None:
-        """Read the watched loss back from the device (collective under synchronous
-        strategies); on a non-finite loss, clear the gradients and raise."""
-        strategy = self.strategy
-        watch = self._watch
-        fresh = watch.unread
-        try:
-            loss = watch.read(strategy.train_group, strategy.lockstep and dist.is_initialized())
-        except NonFiniteLossError:
-            if self.optimizer is not None:
-                self.optimizer.zero_grad(set_to_none=True)
-            raise
-        if fresh and loss is not None:
-            self._log_training(loss, watch.last_step)
-        self.timing.timer.collect()  # the read waited for the device: the marks are done
-        return loss
-
-    def _log_training(self, loss: float, step: int) -> None:
-        """The training scalars of the metric logs, at a loss read (main rank)."""
-        if not self.is_main:
-            return
-        metrics = {
-            "train/loss": loss,
-            "train/samples_per_second": self.throughput.samples_per_second,
-        }
-        if self.optimizer is not None:
-            metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        norm = float(self.grad_norm) if self.grad_norm is not None else math.nan
-        if math.isfinite(norm):  # sync ps clips on the servers, which keep the norm
-            metrics["train/grad_norm"] = norm
-        self.report.log(metrics, step)
+        return self._reads.read(self.strategy, self.optimizer, self.grad_norm)
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Add the script's own `metrics` (name -> number) to the metric logs (--logger) at

@@ -21,6 +21,9 @@ from typing import Any
 SHARE = 0.2
 """A cause is reported when it costs at least this share of the step."""
 
+STRAGGLER_RATIO = 1.5
+"""A straggler is busy at least this many times as long as the median of the others."""
+
 SMALL_BATCH = 16
 """Per-device batches below this many samples rarely keep a device busy."""
 
@@ -78,10 +81,11 @@ def diagnose(
                 },
             )
         )
-    waiting = [p for i, p in enumerate(breakdown) if slow is None or i != slow[1]["rank"]]
-    t2 = statistics.median(p["communication"] for p in waiting)
-    t1 = statistics.median(_compute(p) for p in waiting)
-    if slow is None and t2 >= SHARE * step:
+    # The rank that arrives last at each exchange waits only for the exchange itself: its
+    # wait is the communication proper; the others' waits add a slower rank's lateness.
+    t2 = min(p["communication"] for p in breakdown)
+    t1 = statistics.median(_compute(p) for p in breakdown)
+    if t2 >= SHARE * step:
         found.append(
             (
                 t2 / step,
@@ -143,7 +147,7 @@ def _straggler(
     rank = max(range(len(busy)), key=busy.__getitem__)
     others = statistics.median(b for i, b in enumerate(busy) if i != rank)
     lateness = busy[rank] - others
-    if lateness < SHARE * step:
+    if lateness < SHARE * step or busy[rank] < STRAGGLER_RATIO * others:
         return None
     return (
         lateness / step,
