@@ -121,6 +121,11 @@ class Config:
     master: str | None = option(
         None, "HOST:PORT of node 0's rendezvous (multi-node); default a free local port."
     )
+    iface: str | None = option(
+        None,
+        "Network interface the workers use to reach the other machines (sets "
+        "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME); default: the one that routes to --master.",
+    )
     max_restarts: int = option(
         0, "Restart the whole group up to this many times after a worker fails."
     )
@@ -199,6 +204,10 @@ class Config:
             host, _, port = self.master.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--master must be HOST:PORT, got {self.master!r}.")
+        if self.iface is not None and (not self.iface or self.iface.split() != [self.iface]):
+            raise ConfigError(
+                f"--iface must name one network interface such as eth0, got {self.iface!r}."
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")
         if self.precision not in PRECISIONS:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -30,7 +31,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
-from dtrain.launch import bootstrap
+from dtrain.launch import addressing, bootstrap
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
 from dtrain.parallel.data_parallel import OFFLOAD_NEEDS_GPUS
 from dtrain.strategies import lookup
@@ -127,12 +128,15 @@ def _rendezvous(config: Config) -> dict[str, object]:
     if config.nnodes == 1:
         return {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "run_id": uuid.uuid4().hex}
     assert config.master is not None
-    host, port = config.master.rsplit(":", 1)
+    host, port = addressing.split_master(config.master)
+    where = addressing.locate(config)
+    addressing.check_node0_hosts(config, where)
+    addressing.use_interface(addressing.choose_interface(config, where))
     if config.node_rank == 0:
-        check_port_free(int(port))
+        check_port_free(port)
     return {
         "rdzv_backend": "static",
-        "rdzv_endpoint": config.master,
+        "rdzv_endpoint": where.endpoint,
         "rdzv_configs": {"rank": config.node_rank, "timeout": int(config.timeout_s)},
         "run_id": f"dtrain-{host}-{port}",
     }
@@ -211,12 +215,34 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
             elastic_launch(launch_config, sys.executable)(*command)
     except SignalException as e:
         raise Stopped(e.sigval) from None
+    except (DistStoreError, DistNetworkError) as e:
+        raise LaunchError(_rendezvous_failed(config, e)) from None
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
         message = format_failures(e.failures, lambda r: role(config, r))
         raise LaunchError(message, exit_code=exit_code_of(e.failures)) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _rendezvous_failed(config: Config, error: Exception) -> str:
+    """What to do when the nodes' agents did not all meet at the rendezvous in time."""
+    text = str(error).strip()
+    first_line = text.splitlines()[0].rstrip(".") if text else type(error).__name__
+    others = "1" if config.nnodes == 2 else f"1 to {config.nnodes - 1}"
+    if config.node_rank == 0:
+        return (
+            f"Node 0 hosted the rendezvous at {config.master} for {config.timeout_s:g} s, "
+            f"but not all {config.nnodes} nodes joined ({first_line}). Start the same command "
+            f"on each other machine with its own --node-rank ({others}) and "
+            "the same --master, check that they can reach this machine at that address and "
+            "port (no firewall between them), or raise --timeout."
+        )
+    return (
+        f"Node {config.node_rank} lost the rendezvous at {config.master} ({first_line}): "
+        "node 0 stopped or became unreachable. Its own output says why; start every node "
+        "again once it is fixed."
+    )
 
 
 def _causes(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:

@@ -1,0 +1,165 @@
+"""Jobs across test hosts (network namespaces, tests/cluster.py): every node runs the same
+`dtrain run` command with its own --node-rank and the same --master dt-h1:PORT, and the
+parameters after a few steps of the equivalence job (tests/training.py) equal one
+process's; an unreachable rendezvous is named within --timeout."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import cluster
+import pytest
+import safetensors.torch
+import torch
+from torch.testing import assert_close
+from training import train
+
+WHY_NOT = cluster.unavailable()
+pytestmark = [
+    pytest.mark.skipif(WHY_NOT is not None, reason=f"no test hosts: {WHY_NOT}"),
+    pytest.mark.timeout(180),
+]
+
+STEPS = 6
+JOB = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import safetensors.torch
+from training import train
+
+params = train(steps={STEPS})
+if params is not None:
+    safetensors.torch.save_file(params, sys.argv[1])
+"""
+_ports = itertools.count(29400)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[cluster.Cluster]:
+    """Two test hosts, dt-h1 and dt-h2, on links shaped to 1 Gbit/s."""
+    with cluster.cluster(2, rate="1gbit") as made:
+        yield made
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dtrain.cli", *args]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_CONFIG"}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def run_nodes(hosts: cluster.Cluster, tmp_path: Path, *flags: str) -> dict[str, torch.Tensor]:
+    """Run the job with `dtrain run FLAGS` on both hosts, as node 0 (dt-h1) and node 1;
+    return the final parameters rank 0 saved."""
+    master = f"dt-h1:{next(_ports)}"
+    script, result = tmp_path / "job.py", tmp_path / "params.safetensors"
+    script.write_text(JOB)
+    procs = [
+        hosts.popen(
+            host,
+            _command(
+                "run",
+                *flags,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master",
+                master,
+                "--timeout",
+                "60",
+                str(script),
+                str(result),
+            ),
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for rank, host in enumerate(hosts.hosts)
+    ]
+    outputs = [p.communicate(timeout=150)[0] for p in procs]
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"node {rank}:\n{output[-3000:]}"
+    return safetensors.torch.load_file(result)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, torch.Tensor]:
+    """The same job in this process, alone: the reference every layout must equal."""
+    return train(steps=STEPS, strategy="single")
+
+
+def test_ddp_on_two_hosts_equals_one_process(
+    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    assert_close(run_nodes(hosts, tmp_path, "--strategy", "ddp"), single)
+
+
+def test_hierarchical_ddp_two_by_two_equals_one_process(
+    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    flags = ("--strategy", "ddp", "--nproc", "2", "--hierarchical")
+    assert_close(run_nodes(hosts, tmp_path, *flags), single)
+
+
+def test_hsdp_two_by_two_equals_one_process(
+    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    flags = ("--strategy", "hsdp", "--nproc", "2", "--shard-size", "2")
+    assert_close(run_nodes(hosts, tmp_path, *flags), single)
+
+
+def test_an_unreachable_rendezvous_is_named_within_the_timeout(
+    hosts: cluster.Cluster, tmp_path: Path
+) -> None:
+    """Node 1 alone: nobody listens at dt-h1's port; and an address on the test network
+    that no host holds (no route to it)."""
+    port = next(_ports)
+    cases = {
+        "refused": (hosts.hosts[1], "dt-h1", "dt-h1 (10.77.0.1)"),
+        "nobody": (hosts.hosts[0], "10.77.0.9", "10.77.0.9"),
+    }
+    started = time.monotonic()
+    procs = {
+        case: hosts.popen(
+            host,
+            _command(
+                "demo",
+                "--model",
+                "mlp",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master",
+                f"{master}:{port}",
+                "--timeout",
+                "3",
+                "--out",
+                str(tmp_path / case),
+            ),
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for case, (host, master, _) in cases.items()
+    }
+    outputs = {case: p.communicate(timeout=60)[0] for case, p in procs.items()}
+    elapsed = time.monotonic() - started
+    for case, (_, _, where) in cases.items():
+        assert procs[case].returncode == 1, outputs[case][-2000:]
+        expected = f"Node 1 could not reach the rendezvous at {where} port {port} within 3 s"
+        assert expected in outputs[case], outputs[case][-2000:]
+        assert "Traceback" not in outputs[case]
+    assert elapsed < 3 + 25  # the timeout, plus starting Python and torch on a busy machine
