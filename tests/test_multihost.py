@@ -6,6 +6,7 @@ process's; an unreachable rendezvous is named within --timeout."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -28,14 +29,15 @@ pytestmark = [
 
 STEPS = 6
 JOB = f"""
-import sys
+import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import safetensors.torch
-from training import train
+from training import train_variants
 
-params = train(steps={STEPS})
-if params is not None:
-    safetensors.torch.save_file(params, sys.argv[1])
+variants = [dict(steps={STEPS}, **options) for options in json.loads(sys.argv[2])]
+for i, params in enumerate(train_variants(variants)):
+    if params is not None:
+        safetensors.torch.save_file(params, f"{{sys.argv[1]}}.{{i}}")
 """
 _ports = itertools.count(29400)
 
@@ -57,40 +59,32 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_nodes(hosts: cluster.Cluster, tmp_path: Path, *flags: str) -> dict[str, torch.Tensor]:
-    """Run the job with `dtrain run FLAGS` on both hosts, as node 0 (dt-h1) and node 1;
-    return the final parameters rank 0 saved."""
+def run_nodes(
+    hosts: cluster.Cluster, tmp_path: Path, *flags: str, variants: tuple[dict, ...] = ({},)
+) -> list[dict[str, torch.Tensor]]:
+    """Run the job with `dtrain run FLAGS` on both hosts, as node 0 (dt-h1) and node 1,
+    once per variant (options that override the flags' in `dtrain.init`), one after the
+    other in the same processes; return the final parameters of each."""
     master = f"dt-h1:{next(_ports)}"
     script, result = tmp_path / "job.py", tmp_path / "params.safetensors"
     script.write_text(JOB)
+    job = [str(script), str(result), json.dumps(variants)]
+    nodes = ["--nnodes", "2", "--master", master, "--timeout", "60"]
     procs = [
         hosts.popen(
             host,
-            _command(
-                "run",
-                *flags,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--master",
-                master,
-                "--timeout",
-                "60",
-                str(script),
-                str(result),
-            ),
+            _command("run", *flags, *nodes, "--node-rank", str(rank), *job),
             cwd=tmp_path,
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
         for rank, host in enumerate(hosts.hosts)
     ]
     outputs = [p.communicate(timeout=150)[0] for p in procs]
     for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"node {rank}:\n{output[-3000:]}"
-    return safetensors.torch.load_file(result)
+    return [safetensors.torch.load_file(f"{result}.{i}") for i in range(len(variants))]
 
 
 @pytest.fixture(scope="module")
@@ -102,21 +96,19 @@ def single() -> dict[str, torch.Tensor]:
 def test_ddp_on_two_hosts_equals_one_process(
     hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    assert_close(run_nodes(hosts, tmp_path, "--strategy", "ddp"), single)
+    assert_close(run_nodes(hosts, tmp_path, "--strategy", "ddp")[0], single)
 
 
-def test_hierarchical_ddp_two_by_two_equals_one_process(
+def test_hierarchical_ddp_and_hsdp_on_two_hosts_of_two_equal_one_process(
     hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
+    """--hierarchical averages inside each host, then across; hsdp shards inside each
+    host (--shard-size 2) and replicates across."""
+    hsdp = {"strategy": "hsdp", "shard_size": 2, "hierarchical": False}
     flags = ("--strategy", "ddp", "--nproc", "2", "--hierarchical")
-    assert_close(run_nodes(hosts, tmp_path, *flags), single)
-
-
-def test_hsdp_two_by_two_equals_one_process(
-    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
-) -> None:
-    flags = ("--strategy", "hsdp", "--nproc", "2", "--shard-size", "2")
-    assert_close(run_nodes(hosts, tmp_path, *flags), single)
+    hierarchical, sharded = run_nodes(hosts, tmp_path, *flags, variants=({}, hsdp))
+    assert_close(hierarchical, single)
+    assert_close(sharded, single)
 
 
 def test_an_unreachable_rendezvous_is_named_within_the_timeout(
@@ -141,10 +133,10 @@ def test_an_unreachable_rendezvous_is_named_within_the_timeout(
                 "2",
                 "--node-rank",
                 "1",
-                "--master",
-                f"{master}:{port}",
                 "--timeout",
                 "3",
+                "--master",
+                f"{master}:{port}",
                 "--out",
                 str(tmp_path / case),
             ),
