@@ -51,6 +51,19 @@ def test_the_interface_that_routes_to_the_rendezvous_is_chosen(
         node(iface="eth0 eth1")
 
 
+def test_a_loopback_address_offered_to_other_machines_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    on_the_network = Rendezvous("head", "192.0.2.1", 29500)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    with pytest.raises(ConfigError, match=r"offer the other nodes 127.0.0.1 \(interface lo\)"):
+        addressing.check_offered(node(), on_the_network)
+    addressing.check_offered(node(), Rendezvous("localhost", "127.0.0.1", 29500))
+    name, _ = outward()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", name)
+    addressing.check_offered(node(), on_the_network)
+
+
 def test_an_unreachable_rendezvous_is_named_within_the_timeout() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -141,6 +141,28 @@ def use_interface(name: str | None) -> None:
             os.environ[variable] = name
 
 
+def check_offered(config: Config, rendezvous: Rendezvous) -> None:
+    """Refuse, before any worker starts, a node whose workers would offer their peers a
+    loopback address while the rendezvous is on the network: gloo would otherwise wait
+    up to five times --timeout for connections that cannot come."""
+    if is_loopback(rendezvous.address):
+        return
+    named = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    try:
+        offered = interface_addresses().get(named) if named else resolve(socket.gethostname())
+    except OSError:
+        return
+    if offered is None or not is_loopback(offered):
+        return
+    source = f"interface {named}" if named else f"its hostname {socket.gethostname()}"
+    raise ConfigError(
+        f"Node {config.node_rank}'s workers would offer the other nodes {offered} ({source}), "
+        f"a loopback address they cannot reach, while the rendezvous is at "
+        f"{rendezvous.describe()}. Drop --iface (and GLOO_SOCKET_IFNAME) to let dtrain pick "
+        "the interface that routes to --master, or name one that reaches the other machines."
+    )
+
+
 def locate(config: Config) -> Rendezvous:
     """Resolve ``--master`` on this node; on nodes other than 0, wait (up to ``--timeout``)
     until the rendezvous answers. Raises LaunchError naming what could not be reached."""

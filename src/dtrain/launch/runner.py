@@ -132,6 +132,7 @@ def _rendezvous(config: Config) -> dict[str, object]:
     where = addressing.locate(config)
     addressing.check_node0_hosts(config, where)
     addressing.use_interface(addressing.choose_interface(config, where))
+    addressing.check_offered(config, where)
     if config.node_rank == 0:
         check_port_free(port)
     return {
