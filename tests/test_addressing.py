@@ -71,14 +71,14 @@ def test_an_unreachable_rendezvous_is_named_within_the_timeout() -> None:
     config = Config(nnodes=2, node_rank=1, master=f"localhost:{port}", timeout_s=1.5)
     started = time.monotonic()
     with pytest.raises(LaunchError) as refused:
-        locate(config)
+        locate(config, wait=True)
     assert time.monotonic() - started < 4
     assert str(refused.value).startswith(
         f"Node 1 could not reach the rendezvous at localhost (127.0.0.1) port {port} within "
         "1.5 s: Connection refused. Check that node 0 runs the same command"
     )
     with pytest.raises(LaunchError, match="could not resolve the rendezvous host no-such.invalid"):
-        locate(config.replace(master="no-such.invalid:29500", timeout_s=0.5))
+        locate(config.replace(master="no-such.invalid:29500", timeout_s=0.5), wait=True)
 
 
 def test_a_listening_rendezvous_is_found_and_node_0_does_not_wait() -> None:
@@ -86,7 +86,7 @@ def test_a_listening_rendezvous_is_found_and_node_0_does_not_wait() -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        found = locate(Config(nnodes=2, node_rank=1, master=f"localhost:{port}"))
+        found = locate(Config(nnodes=2, node_rank=1, master=f"localhost:{port}"), wait=True)
     assert found == Rendezvous("localhost", "127.0.0.1", port)
     assert found.endpoint == f"127.0.0.1:{port}"
-    assert locate(Config(nnodes=2, node_rank=0, master=f"127.0.0.1:{port}")).port == port
+    assert locate(Config(nnodes=2, master=f"127.0.0.1:{port}"), wait=False).port == port

@@ -60,20 +60,25 @@ def _env() -> dict[str, str]:
 
 
 def run_nodes(
-    hosts: cluster.Cluster, tmp_path: Path, *flags: str, variants: tuple[dict, ...] = ({},)
+    hosts: cluster.Cluster,
+    tmp_path: Path,
+    *flags: str,
+    variants: tuple[dict, ...] = ({},),
+    elastic: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run the job with `dtrain run FLAGS` on both hosts, as node 0 (dt-h1) and node 1,
-    once per variant (options that override the flags' in `dtrain.init`), one after the
-    other in the same processes; return the final parameters of each."""
+    """Run the job with `dtrain run FLAGS` on both hosts, as node 0 (dt-h1) and node 1
+    (with `elastic`, as `--nnodes 1:2`: the rendezvous numbers them), once per variant
+    (options that override the flags' in `dtrain.init`), one after the other in the same
+    processes; return the final parameters of each."""
     master = f"dt-h1:{next(_ports)}"
     script, result = tmp_path / "job.py", tmp_path / "params.safetensors"
     script.write_text(JOB)
     job = [str(script), str(result), json.dumps(variants)]
-    nodes = ["--nnodes", "2", "--master", master, "--timeout", "60"]
+    nodes = ["--nnodes", "1:2" if elastic else "2", "--master", master, "--timeout", "60"]
     procs = [
         hosts.popen(
             host,
-            _command("run", *flags, *nodes, "--node-rank", str(rank), *job),
+            _command("run", *flags, *nodes, *([] if elastic else ["--node-rank", str(rank)]), *job),
             cwd=tmp_path,
             env=_env(),
             stdout=subprocess.PIPE,
@@ -97,6 +102,14 @@ def test_ddp_on_two_hosts_equals_one_process(
     hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     assert_close(run_nodes(hosts, tmp_path, "--strategy", "ddp")[0], single)
+
+
+def test_elastic_nodes_meet_at_the_master_and_train_as_one_process(
+    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """--nnodes 1:2 (torch's c10d rendezvous hosted at --master): both hosts join within
+    the last call, and the two workers train as one process."""
+    assert_close(run_nodes(hosts, tmp_path, "--strategy", "ddp", elastic=True)[0], single)
 
 
 def test_hierarchical_ddp_and_hsdp_on_two_hosts_of_two_equal_one_process(

@@ -3,10 +3,13 @@ command-line flags win, and without a scheduler nothing changes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dtrain.cli import build_parser
 from dtrain.config import Config
+from dtrain.config_file import parse_with_config
 from dtrain.errors import ConfigError
 from dtrain.flags import config_from
 from dtrain.launch.schedulers import Placement, detect, expand_nodelist, slurm_port
@@ -118,3 +121,17 @@ def test_without_a_scheduler_the_command_behaves_as_before(
     config = config_of(monkeypatch, laptop)
     assert config == Config()
     assert config_of(monkeypatch, laptop, "--nproc", "2") == Config(nproc=2)
+
+
+def test_nnodes_takes_a_count_or_an_elastic_range(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert config_of(monkeypatch, {}, "--nnodes", "2", "--master", "h:1").min_nnodes is None
+    elastic = config_of(monkeypatch, {}, "--nnodes", "1:3", "--master", "h:1")
+    assert (elastic.min_nnodes, elastic.nnodes) == (1, 3)
+    with pytest.raises(ConfigError, match="--nnodes MIN:MAX needs 1 <= MIN <= MAX, got 3:2"):
+        config_of(monkeypatch, {}, "--nnodes", "3:2", "--master", "h:1")
+    toml = tmp_path / "job.toml"
+    toml.write_text('nnodes = 2\nmaster = "h:1"\n')
+    args = parse_with_config(build_parser(), ["run", "--config", str(toml), "train.py"])
+    assert config_from(args).nnodes == 2

@@ -116,7 +116,11 @@ class Config:
     timeout_s: float = option(
         600.0, "Seconds a collective may wait before a hung rank is reported.", flag="--timeout"
     )
-    nnodes: int = option(1, "Machines taking part; each runs the same command.")
+    nnodes: int = option(
+        1,
+        "Machines taking part; each runs the same command. MIN:MAX: elastic, the job starts "
+        "once MIN have joined (and those that join within a short last call).",
+    )
     node_rank: int = option(0, "This machine's index in [0, --nnodes).")
     master: str | None = option(
         None, "HOST:PORT of node 0's rendezvous (multi-node); default a free local port."
@@ -126,6 +130,9 @@ class Config:
         "Network interface the workers use to reach the other machines (sets "
         "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME); default: the one that routes to --master.",
     )
+    min_nnodes: int | None = None
+    """Elastic jobs (``--nnodes MIN:MAX``): the fewest machines the job runs with; `nnodes`
+    is then the most. None: exactly `nnodes` (not a flag of its own)."""
     max_restarts: int = option(
         0, "Restart the whole group up to this many times after a worker fails."
     )
@@ -207,6 +214,10 @@ class Config:
         if self.iface is not None and (not self.iface or self.iface.split() != [self.iface]):
             raise ConfigError(
                 f"--iface must name one network interface such as eth0, got {self.iface!r}."
+            )
+        if self.min_nnodes is not None and not 1 <= self.min_nnodes <= self.nnodes:
+            raise ConfigError(
+                f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {self.min_nnodes}:{self.nnodes}."
             )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")

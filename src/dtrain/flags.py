@@ -26,6 +26,17 @@ def _device_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,3, got {text!r}") from None
 
 
+def _node_count(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (elastic) as (fewest, most) machines."""
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of machines such as 2, or a range MIN:MAX such as 2:4, got {text!r}"
+        ) from None
+
+
 def _name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -47,6 +58,8 @@ def add_topology_args(parser: argparse.ArgumentParser) -> None:
         )
         if f.name == "devices":
             convert = _device_list
+        if f.name == "nnodes":
+            convert = _node_count
         if f.name in ("blocks", "split_points", "logger"):
             convert = _name_list
         help_text = f.metadata["help"]
@@ -63,6 +76,10 @@ def config_from(args: argparse.Namespace) -> Config:
     if args.strategy is not None:
         check_strategy(args.strategy)
     values = {f.name: getattr(args, f.name) for f in fields(Config) if "help" in f.metadata}
+    if isinstance(values["nnodes"], tuple):
+        fewest, values["nnodes"] = values["nnodes"]
+        if fewest != values["nnodes"]:
+            values["min_nnodes"] = fewest
     left_out = [name for name in SCHEDULED if values[name] is None]
     placement = schedulers.detect() if left_out else None
     taken = False

@@ -15,7 +15,6 @@ failed instead of waiting without a word.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import ipaddress
 import os
@@ -163,16 +162,27 @@ def check_offered(config: Config, rendezvous: Rendezvous) -> None:
     )
 
 
-def locate(config: Config) -> Rendezvous:
-    """Resolve ``--master`` on this node; on nodes other than 0, wait (up to ``--timeout``)
-    until the rendezvous answers. Raises LaunchError naming what could not be reached."""
+def is_local(address: str) -> bool:
+    """Whether `address` belongs to this machine (it can listen there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, 0))
+        except OSError:
+            return False
+        return True
+
+
+def locate(config: Config, wait: bool) -> Rendezvous:
+    """Resolve ``--master`` on this node; with `wait` (a node that does not host the
+    rendezvous), also connect to it, retrying until ``--timeout``. Raises LaunchError
+    naming what could not be reached."""
     assert config.master is not None
     host, port = split_master(config.master)
     deadline = time.monotonic() + config.timeout_s
     while True:
         try:
             rendezvous = Rendezvous(host, resolve(host), port)
-            if config.node_rank != 0:
+            if wait:
                 _connect(rendezvous, deadline)
             return rendezvous
         except OSError as e:
@@ -184,22 +194,17 @@ def locate(config: Config) -> Rendezvous:
 def check_node0_hosts(config: Config, rendezvous: Rendezvous) -> None:
     """Warn when node 0 is not the machine ``--master`` names: the other nodes would wait
     for a rendezvous this machine hosts at another address."""
-    if config.node_rank != 0 or is_loopback(rendezvous.address):
+    if config.node_rank != 0 or config.min_nnodes is not None:
         return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((rendezvous.address, 0))
-        except OSError as e:
-            if e.errno != errno.EADDRNOTAVAIL:
-                return
-            print(
-                f"dtrain: warning: --master names {rendezvous.describe()}, which is not an "
-                "address of this machine, yet this is node 0, the node that hosts the "
-                "rendezvous. Unless that address reaches this machine (a forwarded port), "
-                "run --node-rank 0 on the machine --master names.",
-                file=sys.stderr,
-                flush=True,
-            )
+    if not is_loopback(rendezvous.address) and not is_local(rendezvous.address):
+        print(
+            f"dtrain: warning: --master names {rendezvous.describe()}, which is not an "
+            "address of this machine, yet this is node 0, the node that hosts the "
+            "rendezvous. Unless that address reaches this machine (a forwarded port), "
+            "run --node-rank 0 on the machine --master names.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _connect(rendezvous: Rendezvous, deadline: float) -> None:

@@ -124,23 +124,72 @@ def _threads_per_worker(nproc: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // nproc))
 
 
+LAST_CALL_S = 3
+"""Elastic jobs: once the fewest machines have joined, how long the rendezvous waits for
+more before it starts (torch's default, 30 s, is long for a job everyone started at once)."""
+
+
 def _rendezvous(config: Config) -> dict[str, object]:
     if config.nnodes == 1:
         return {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "run_id": uuid.uuid4().hex}
     assert config.master is not None
     host, port = addressing.split_master(config.master)
-    where = addressing.locate(config)
+    if config.min_nnodes is None:
+        where = addressing.locate(config, wait=config.node_rank != 0)
+        hosting = config.node_rank == 0
+    else:
+        hosting = _hosts_elastic_rendezvous(config)
+        where = addressing.locate(config, wait=hosting is False)
     addressing.check_node0_hosts(config, where)
     addressing.use_interface(addressing.choose_interface(config, where))
     addressing.check_offered(config, where)
-    if config.node_rank == 0:
-        check_port_free(port)
-    return {
-        "rdzv_backend": "static",
-        "rdzv_endpoint": where.endpoint,
-        "rdzv_configs": {"rank": config.node_rank, "timeout": int(config.timeout_s)},
-        "run_id": f"dtrain-{host}-{port}",
+    run_id = f"dtrain-{host}-{port}"
+    if config.min_nnodes is None:
+        if hosting:
+            check_port_free(port)
+        return {
+            "rdzv_backend": "static",
+            "rdzv_endpoint": where.endpoint,
+            "rdzv_configs": {"rank": config.node_rank, "timeout": int(config.timeout_s)},
+            "run_id": run_id,
+        }
+    # torch's c10d rendezvous guesses which machine hosts its store from the hostname,
+    # and tells the workers rank 0's hostname as MASTER_ADDR; on clusters where hostnames
+    # resolve to loopback both guesses are wrong, so both are said outright.
+    rdzv_configs: dict[str, object] = {
+        "join_timeout": int(config.timeout_s),
+        "last_call_timeout": LAST_CALL_S,
     }
+    if hosting is not None:
+        rdzv_configs["is_host"] = hosting
+    return {
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": where.endpoint,
+        "rdzv_configs": rdzv_configs,
+        "run_id": run_id,
+        "local_addr": addressing.source_address(where.address),
+    }
+
+
+def _hosts_elastic_rendezvous(config: Config) -> bool | None:
+    """Whether this machine hosts the elastic rendezvous: it holds the --master address
+    and nobody listens on its port yet (else another node on this machine does). None
+    for a loopback --master: torch tells the nodes of one machine apart itself."""
+    assert config.master is not None
+    host, port = addressing.split_master(config.master)
+    try:
+        address = addressing.resolve(host)
+    except OSError:
+        return False  # locate() retries the lookup and names the host if it never resolves
+    if addressing.is_loopback(address):
+        return None
+    if not addressing.is_local(address):
+        return False
+    try:
+        check_port_free(port)
+    except ConfigError:
+        return False
+    return True
 
 
 def free_port() -> int:
@@ -201,7 +250,7 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     os.environ[LAUNCHER_PID] = str(os.getpid())
     log_dir = scratch_folder()
     launch_config = LaunchConfig(
-        min_nodes=config.nnodes,
+        min_nodes=config.min_nnodes or config.nnodes,
         max_nodes=config.nnodes,
         nproc_per_node=nproc,
         max_restarts=config.max_restarts,
