@@ -131,6 +131,8 @@ def test_nnodes_takes_a_count_or_an_elastic_range(
     assert (elastic.min_nnodes, elastic.nnodes) == (1, 3)
     with pytest.raises(ConfigError, match="--nnodes MIN:MAX needs 1 <= MIN <= MAX, got 3:2"):
         config_of(monkeypatch, {}, "--nnodes", "3:2", "--master", "h:1")
+    with pytest.raises(ConfigError, match="drop --node-rank"):
+        config_of(monkeypatch, {}, "--nnodes", "1:3", "--node-rank", "1", "--master", "h:1")
     toml = tmp_path / "job.toml"
     toml.write_text('nnodes = 2\nmaster = "h:1"\n')
     args = parse_with_config(build_parser(), ["run", "--config", str(toml), "train.py"])

@@ -219,6 +219,11 @@ class Config:
             raise ConfigError(
                 f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {self.min_nnodes}:{self.nnodes}."
             )
+        if self.min_nnodes is not None and self.node_rank != 0:
+            raise ConfigError(
+                "--node-rank is not given in an elastic job (--nnodes MIN:MAX): the rendezvous "
+                "numbers the machines as they join; drop --node-rank."
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")
         if self.precision not in PRECISIONS:

@@ -27,6 +27,7 @@ from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.config import ENV_VAR, Config
@@ -265,7 +266,7 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
             elastic_launch(launch_config, sys.executable)(*command)
     except SignalException as e:
         raise Stopped(e.sigval) from None
-    except (DistStoreError, DistNetworkError) as e:
+    except (DistStoreError, DistNetworkError, RendezvousError) as e:
         raise LaunchError(_rendezvous_failed(config, e)) from None
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
@@ -279,14 +280,21 @@ def _rendezvous_failed(config: Config, error: Exception) -> str:
     """What to do when the nodes' agents did not all meet at the rendezvous in time."""
     text = str(error).strip()
     first_line = text.splitlines()[0].rstrip(".") if text else type(error).__name__
+    if config.min_nnodes is not None:
+        return (
+            f"Fewer than {config.min_nnodes} machines met at the rendezvous at {config.master} "
+            f"within {config.timeout_s:g} s ({first_line}). Start the same command on at "
+            f"least {config.min_nnodes} machines, the machine that holds the --master address "
+            "among them, check that they can reach it at that port, or raise --timeout."
+        )
     others = "1" if config.nnodes == 2 else f"1 to {config.nnodes - 1}"
     if config.node_rank == 0:
         return (
             f"Node 0 hosted the rendezvous at {config.master} for {config.timeout_s:g} s, "
             f"but not all {config.nnodes} nodes joined ({first_line}). Start the same command "
-            f"on each other machine with its own --node-rank ({others}) and "
-            "the same --master, check that they can reach this machine at that address and "
-            "port (no firewall between them), or raise --timeout."
+            f"on each other machine with its own --node-rank ({others}) and the same "
+            "--master, check that they can reach this machine at that address and port (no "
+            "firewall between them), or raise --timeout."
         )
     return (
         f"Node {config.node_rank} lost the rendezvous at {config.master} ({first_line}): "
