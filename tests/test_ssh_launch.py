@@ -95,8 +95,10 @@ def test_two_hosts_over_ssh_equal_single_and_a_failure_anywhere_is_named(
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "[127.0.0.1] [rank 0] rank 0 done" in done.stdout
-    assert "[localhost] [rank 1] rank 1 done" in done.stdout
+    lines = done.stdout.splitlines()
+    assert any(ln.startswith("[127.0.0.1] [rank 0]") and "rank 0 done" in ln for ln in lines)
+    assert any(ln.startswith("[localhost] [rank 1]") and "rank 1 done" in ln for ln in lines)
+    assert "frame #" not in done.stdout + done.stderr  # no native stack from torch
     alone = tmp_path / "alone.pt"
     single = run_cli("run", str(script), "train", str(alone), cwd=tmp_path)
     assert single.returncode == 0, single.stderr[-3000:]

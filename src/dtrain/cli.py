@@ -18,6 +18,7 @@ from dtrain.config_file import add_config_arg, parse_with_config
 from dtrain.demo_flags import add_training_args
 from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.flags import add_topology_args, config_from
+from dtrain.launch.quiet import import_quietly
 
 DEMO_MODULE = "dtrain.demo"
 COMM_MODULE = "dtrain.bench.comm"
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        from dtrain.launch.runner import Target, launch
+        runner = import_quietly("dtrain.launch.runner")
+        Target, launch = runner.Target, runner.launch
 
         if args.command == "run":
             kind = "module" if args.module else "script"

@@ -127,11 +127,23 @@ class Config:
     timeout_s: float = option(
         600.0, "Seconds a collective may wait before a hung rank is reported.", flag="--timeout"
     )
-    nnodes: int = option(1, "Machines taking part; each runs the same command.")
+    nnodes: int = option(
+        1,
+        "Machines taking part; each runs the same command. MIN:MAX: elastic, the job starts "
+        "once MIN have joined (and those that join within a short last call).",
+    )
     node_rank: int = option(0, "This machine's index in [0, --nnodes).")
     master: str | None = option(
         None, "HOST:PORT of node 0's rendezvous (multi-node); default a free local port."
     )
+    iface: str | None = option(
+        None,
+        "Network interface the workers use to reach the other machines (sets "
+        "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME); default: the one that routes to --master.",
+    )
+    min_nnodes: int | None = None
+    """Elastic jobs (``--nnodes MIN:MAX``): the fewest machines the job runs with; `nnodes`
+    is then the most. None: exactly `nnodes` (not a flag of its own)."""
     max_restarts: int = option(
         0, "Restart the whole group up to this many times after a worker fails."
     )
@@ -233,6 +245,19 @@ class Config:
             raise ConfigError(
                 "-H/--hostfile start every machine from this one and set --nnodes, "
                 "--node-rank, --master and --nproc for each; drop those flags."
+            )
+        if self.iface is not None and (not self.iface or self.iface.split() != [self.iface]):
+            raise ConfigError(
+                f"--iface must name one network interface such as eth0, got {self.iface!r}."
+            )
+        if self.min_nnodes is not None and not 1 <= self.min_nnodes <= self.nnodes:
+            raise ConfigError(
+                f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {self.min_nnodes}:{self.nnodes}."
+            )
+        if self.min_nnodes is not None and self.node_rank != 0:
+            raise ConfigError(
+                "--node-rank is not given in an elastic job (--nnodes MIN:MAX): the rendezvous "
+                "numbers the machines as they join; drop --node-rank."
             )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")

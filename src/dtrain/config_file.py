@@ -285,6 +285,8 @@ def _text_for(action: argparse.Action, value: object, key: str, where: str) -> s
     joined by commas for a list flag."""
     if isinstance(value, str):
         return value
+    if isinstance(value, int):  # a count for a flag that also takes text (--nnodes 2 or 2:4)
+        return str(value)
     items_ok = isinstance(value, list) and all(
         isinstance(item, (str, int)) and not isinstance(item, bool) for item in value
     )

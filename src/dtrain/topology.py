@@ -100,18 +100,37 @@ def init_process_group(topology: Topology, timeout_s: float) -> None:
         return
     timeout = timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        dist.init_process_group(
-            topology.backend,
-            store=_job_store(topology, timeout),
-            rank=topology.rank,
-            world_size=topology.world_size,
-            timeout=timeout,
-            device_id=topology.device if topology.backend == "nccl" else None,
-        )
+        try:
+            dist.init_process_group(
+                topology.backend,
+                store=_job_store(topology, timeout),
+                rank=topology.rank,
+                world_size=topology.world_size,
+                timeout=timeout,
+                device_id=topology.device if topology.backend == "nccl" else None,
+            )
+        except RuntimeError as e:
+            if "connectFullMesh" not in str(e):
+                raise
+            raise ConfigError(_peers_unreachable(topology, str(e))) from None
     else:
         dist.init_process_group(
             topology.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+
+
+def _peers_unreachable(topology: Topology, error: str) -> str:
+    """gloo could not connect this rank to every other one: a rank advertised an address
+    that another cannot reach (usually the wrong network interface)."""
+    detail = error.strip().splitlines()[0].split("] ", 1)[-1]
+    named = os.environ.get("GLOO_SOCKET_IFNAME")
+    using = f"interface {named}" if named else "the address this machine's hostname resolves to"
+    return (
+        f"Rank {topology.rank} could not connect to every other rank of the job ({detail}); "
+        f"this machine offered them {using}. Every machine must use an interface the "
+        "others can reach: drop --iface (and GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) to "
+        "let dtrain pick the one that routes to --master, or name the right one with --iface."
+    )
 
 
 def _job_store(topology: Topology, timeout: timedelta) -> dist.Store:

@@ -18,6 +18,7 @@ import threading
 
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import DtrainError, exit_report
+from dtrain.launch.quiet import import_quietly
 from dtrain.teardown import exit_now
 
 RANK_PREFIX_VAR = "DTRAIN_RANK_PREFIX"
@@ -32,8 +33,8 @@ def _hang_up_on_eof() -> None:
 
 def main() -> int:
     """Read the payload, run this node's share of the job; return the exit code."""
-    from dtrain.launch.runner import Target, launch
-
+    runner = import_quietly("dtrain.launch.runner")
+    Target, launch = runner.Target, runner.launch
     payload = json.loads(sys.stdin.readline())
     os.environ.update(payload["env"])
     os.environ.pop(ENV_VAR, None)

@@ -23,14 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
-from dtrain.launch import bootstrap
+from dtrain.launch import addressing, bootstrap
 from dtrain.launch.hosts import as_nodes, hosts_of
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
 from dtrain.launch.remote import RANK_PREFIX_VAR
@@ -135,19 +137,72 @@ def _threads_per_worker(nproc: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // nproc))
 
 
+LAST_CALL_S = 3
+"""Elastic jobs: once the fewest machines have joined, how long the rendezvous waits for
+more before it starts (torch's default, 30 s, is long for a job everyone started at once)."""
+
+
 def _rendezvous(config: Config) -> dict[str, object]:
     if config.nnodes == 1:
         return {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "run_id": uuid.uuid4().hex}
     assert config.master is not None
-    host, port = config.master.rsplit(":", 1)
-    if config.node_rank == 0:
-        check_port_free(int(port))
-    return {
-        "rdzv_backend": "static",
-        "rdzv_endpoint": config.master,
-        "rdzv_configs": {"rank": config.node_rank, "timeout": int(config.timeout_s)},
-        "run_id": f"dtrain-{host}-{port}",
+    host, port = addressing.split_master(config.master)
+    if config.min_nnodes is None:
+        where = addressing.locate(config, wait=config.node_rank != 0)
+        hosting = config.node_rank == 0
+    else:
+        hosting = _hosts_elastic_rendezvous(config)
+        where = addressing.locate(config, wait=hosting is False)
+    addressing.check_node0_hosts(config, where)
+    addressing.use_interface(addressing.choose_interface(config, where))
+    addressing.check_offered(config, where)
+    run_id = f"dtrain-{host}-{port}"
+    if config.min_nnodes is None:
+        if hosting:
+            check_port_free(port)
+        return {
+            "rdzv_backend": "static",
+            "rdzv_endpoint": where.endpoint,
+            "rdzv_configs": {"rank": config.node_rank, "timeout": int(config.timeout_s)},
+            "run_id": run_id,
+        }
+    # torch's c10d rendezvous guesses which machine hosts its store from the hostname,
+    # and tells the workers rank 0's hostname as MASTER_ADDR; on clusters where hostnames
+    # resolve to loopback both guesses are wrong, so both are said outright.
+    rdzv_configs: dict[str, object] = {
+        "join_timeout": int(config.timeout_s),
+        "last_call_timeout": LAST_CALL_S,
     }
+    if hosting is not None:
+        rdzv_configs["is_host"] = hosting
+    return {
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": where.endpoint,
+        "rdzv_configs": rdzv_configs,
+        "run_id": run_id,
+        "local_addr": addressing.source_address(where.address),
+    }
+
+
+def _hosts_elastic_rendezvous(config: Config) -> bool | None:
+    """Whether this machine hosts the elastic rendezvous: it holds the --master address
+    and nobody listens on its port yet (else another node on this machine does). None
+    for a loopback --master: torch tells the nodes of one machine apart itself."""
+    assert config.master is not None
+    host, port = addressing.split_master(config.master)
+    try:
+        address = addressing.resolve(host)
+    except OSError:
+        return False  # locate() retries the lookup and names the host if it never resolves
+    if addressing.is_loopback(address):
+        return None
+    if not addressing.is_local(address):
+        return False
+    try:
+        check_port_free(port)
+    except ConfigError:
+        return False
+    return True
 
 
 def free_port() -> int:
@@ -209,7 +264,7 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     log_dir = scratch_folder()
     prefixed = os.environ.get(RANK_PREFIX_VAR) == "1"  # a host started over ssh
     launch_config = LaunchConfig(
-        min_nodes=config.nnodes,
+        min_nodes=config.min_nnodes or config.nnodes,
         max_nodes=config.nnodes,
         nproc_per_node=nproc,
         max_restarts=config.max_restarts,
@@ -225,12 +280,41 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
             elastic_launch(launch_config, sys.executable)(*command)
     except SignalException as e:
         raise Stopped(e.sigval) from None
+    except (DistStoreError, DistNetworkError, RendezvousError) as e:
+        raise LaunchError(_rendezvous_failed(config, e)) from None
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
         message = format_failures(e.failures, lambda r: role(config, r))
         raise LaunchError(message, exit_code=exit_code_of(e.failures)) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _rendezvous_failed(config: Config, error: Exception) -> str:
+    """What to do when the nodes' agents did not all meet at the rendezvous in time."""
+    text = str(error).strip()
+    first_line = text.splitlines()[0].rstrip(".") if text else type(error).__name__
+    if config.min_nnodes is not None:
+        return (
+            f"Fewer than {config.min_nnodes} machines met at the rendezvous at {config.master} "
+            f"within {config.timeout_s:g} s ({first_line}). Start the same command on at "
+            f"least {config.min_nnodes} machines, the machine that holds the --master address "
+            "among them, check that they can reach it at that port, or raise --timeout."
+        )
+    others = "1" if config.nnodes == 2 else f"1 to {config.nnodes - 1}"
+    if config.node_rank == 0:
+        return (
+            f"Node 0 hosted the rendezvous at {config.master} for {config.timeout_s:g} s, "
+            f"but not all {config.nnodes} nodes joined ({first_line}). Start the same command "
+            f"on each other machine with its own --node-rank ({others}) and the same "
+            "--master, check that they can reach this machine at that address and port (no "
+            "firewall between them), or raise --timeout."
+        )
+    return (
+        f"Node {config.node_rank} lost the rendezvous at {config.master} ({first_line}): "
+        "node 0 stopped or became unreachable. Its own output says why; start every node "
+        "again once it is fixed."
+    )
 
 
 def _causes(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:

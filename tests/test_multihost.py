@@ -1,0 +1,170 @@
+"""Jobs across test hosts (network namespaces, tests/cluster.py): every node runs the same
+`dtrain run` command with its own --node-rank and the same --master dt-h1:PORT, and the
+parameters after a few steps of the equivalence job (tests/training.py) equal one
+process's; an unreachable rendezvous is named within --timeout."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import cluster
+import pytest
+import safetensors.torch
+import torch
+from torch.testing import assert_close
+from training import train
+
+WHY_NOT = cluster.unavailable()
+pytestmark = [
+    pytest.mark.skipif(WHY_NOT is not None, reason=f"no test hosts: {WHY_NOT}"),
+    pytest.mark.timeout(180),
+]
+
+STEPS = 6
+JOB = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import safetensors.torch
+from training import train_variants
+
+variants = [dict(steps={STEPS}, **options) for options in json.loads(sys.argv[2])]
+for i, params in enumerate(train_variants(variants)):
+    if params is not None:
+        safetensors.torch.save_file(params, f"{{sys.argv[1]}}.{{i}}")
+"""
+_ports = itertools.count(29400)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[cluster.Cluster]:
+    """Two test hosts, dt-h1 and dt-h2, on links shaped to 1 Gbit/s."""
+    with cluster.cluster(2, rate="1gbit") as made:
+        yield made
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dtrain.cli", *args]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_CONFIG"}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def run_nodes(
+    hosts: cluster.Cluster,
+    tmp_path: Path,
+    *flags: str,
+    variants: tuple[dict, ...] = ({},),
+    elastic: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Run the job with `dtrain run FLAGS` on both hosts, as node 0 (dt-h1) and node 1
+    (with `elastic`, as `--nnodes 1:2`: the rendezvous numbers them), once per variant
+    (options that override the flags' in `dtrain.init`), one after the other in the same
+    processes; return the final parameters of each."""
+    master = f"dt-h1:{next(_ports)}"
+    script, result = tmp_path / "job.py", tmp_path / "params.safetensors"
+    script.write_text(JOB)
+    job = [str(script), str(result), json.dumps(variants)]
+    nodes = ["--nnodes", "1:2" if elastic else "2", "--master", master, "--timeout", "60"]
+    procs = [
+        hosts.popen(
+            host,
+            _command("run", *flags, *nodes, *([] if elastic else ["--node-rank", str(rank)]), *job),
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank, host in enumerate(hosts.hosts)
+    ]
+    outputs = [p.communicate(timeout=150)[0] for p in procs]
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"node {rank}:\n{output[-3000:]}"
+    return [safetensors.torch.load_file(f"{result}.{i}") for i in range(len(variants))]
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, torch.Tensor]:
+    """The same job in this process, alone: the reference every layout must equal."""
+    return train(steps=STEPS, strategy="single")
+
+
+def test_ddp_on_two_hosts_equals_one_process(
+    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    assert_close(run_nodes(hosts, tmp_path, "--strategy", "ddp")[0], single)
+
+
+def test_elastic_nodes_meet_at_the_master_and_train_as_one_process(
+    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """--nnodes 1:2 (torch's c10d rendezvous hosted at --master): both hosts join within
+    the last call, and the two workers train as one process."""
+    assert_close(run_nodes(hosts, tmp_path, "--strategy", "ddp", elastic=True)[0], single)
+
+
+def test_hierarchical_ddp_and_hsdp_on_two_hosts_of_two_equal_one_process(
+    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """--hierarchical averages inside each host, then across; hsdp shards inside each
+    host (--shard-size 2) and replicates across."""
+    hsdp = {"strategy": "hsdp", "shard_size": 2, "hierarchical": False}
+    flags = ("--strategy", "ddp", "--nproc", "2", "--hierarchical")
+    hierarchical, sharded = run_nodes(hosts, tmp_path, *flags, variants=({}, hsdp))
+    assert_close(hierarchical, single)
+    assert_close(sharded, single)
+
+
+def test_an_unreachable_rendezvous_is_named_within_the_timeout(
+    hosts: cluster.Cluster, tmp_path: Path
+) -> None:
+    """Node 1 alone: nobody listens at dt-h1's port; and an address on the test network
+    that no host holds (no route to it)."""
+    port = next(_ports)
+    cases = {
+        "refused": (hosts.hosts[1], "dt-h1", "dt-h1 (10.77.0.1)"),
+        "nobody": (hosts.hosts[0], "10.77.0.9", "10.77.0.9"),
+    }
+    started = time.monotonic()
+    procs = {
+        case: hosts.popen(
+            host,
+            _command(
+                "demo",
+                "--model",
+                "mlp",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--timeout",
+                "3",
+                "--master",
+                f"{master}:{port}",
+                "--out",
+                str(tmp_path / case),
+            ),
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for case, (host, master, _) in cases.items()
+    }
+    outputs = {case: p.communicate(timeout=60)[0] for case, p in procs.items()}
+    elapsed = time.monotonic() - started
+    for case, (_, _, where) in cases.items():
+        assert procs[case].returncode == 1, outputs[case][-2000:]
+        expected = f"Node 1 could not reach the rendezvous at {where} port {port} within 3 s"
+        assert expected in outputs[case], outputs[case][-2000:]
+        assert "Traceback" not in outputs[case]
+    assert elapsed < 3 + 25  # the timeout, plus starting Python and torch on a busy machine
