@@ -79,13 +79,20 @@ def start_sshd(folder: Path, address: str, port: int, netns: str | None = None) 
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     daemon = Sshd(process, port, client_key, folder / "known_hosts")
     deadline = time.monotonic() + 10
-    while netns is None and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not _listening(address, port, netns):
+        time.sleep(0.1)
+    return daemon
+
+
+def _listening(address: str, port: int, netns: str | None) -> bool:
+    if netns is None:
         try:
             socket.create_connection((address, port), timeout=1).close()
-            break
+            return True
         except OSError:
-            time.sleep(0.1)
-    return daemon
+            return False
+    probe = ["ip", "netns", "exec", netns, "bash", "-c", f"exec 3<>/dev/tcp/{address}/{port}"]
+    return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
 
 
 def ssh_environment(daemon: Sshd) -> dict[str, str]:

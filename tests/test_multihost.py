@@ -18,6 +18,7 @@ import cluster
 import pytest
 import safetensors.torch
 import torch
+from sshd import ssh_environment, start_sshd, why_no_sshd
 from torch.testing import assert_close
 from training import train
 
@@ -168,3 +169,50 @@ def test_an_unreachable_rendezvous_is_named_within_the_timeout(
         assert expected in outputs[case], outputs[case][-2000:]
         assert "Traceback" not in outputs[case]
     assert elapsed < 3 + 25  # the timeout, plus starting Python and torch on a busy machine
+
+
+def test_one_command_over_ssh_starts_both_hosts_and_equals_one_process(
+    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """`dtrain run -H dt-h1:1,dt-h2:1` on dt-h1 logs in to both hosts (an sshd in each
+    namespace), trains as one process, and leaves nothing running on either host."""
+    if why_no_sshd():
+        pytest.skip(why_no_sshd())
+    daemons = [
+        start_sshd(tmp_path / "sshd", host.address, 22, netns=host.netns) for host in hosts.hosts
+    ]
+    try:
+        script, result = tmp_path / "job.py", tmp_path / "params.safetensors"
+        script.write_text(JOB)
+        flags = ("-H", "dt-h1:1,dt-h2:1", "--ssh-identity", str(daemons[0].identity))
+        head = hosts.popen(
+            hosts.hosts[0],
+            _command("run", *flags, "--strategy", "ddp", "--timeout", "60", str(script),
+                     str(result), json.dumps([{}])),
+            cwd=tmp_path,
+            env={**_env(), **ssh_environment(daemons[0])},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        output = head.communicate(timeout=150)[0]
+        assert head.returncode == 0, output[-3000:]
+        assert "[dt-h1] [rank 0]" in output
+        assert_close(safetensors.torch.load_file(f"{result}.0"), single)
+        daemon_pids = {str(d.process.pid) for d in daemons}
+        for host in hosts.hosts:
+            pids = subprocess.run(
+                ["ip", "netns", "pids", host.netns], capture_output=True, text=True
+            )
+            left = [p for p in pids.stdout.split() if p not in daemon_pids]
+            assert not left or _only_sshd(left), f"{host.name}: {left}"
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+
+
+def _only_sshd(pids: list[str]) -> bool:
+    """True if every process left is the test's sshd (its forked listener included)."""
+    names = [
+        Path(f"/proc/{p}/comm").read_text().strip() for p in pids if Path(f"/proc/{p}").exists()
+    ]
+    return all(name == "sshd" for name in names)
