@@ -27,10 +27,6 @@ from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError
 from dtrain.horovod.requests import SHUTDOWN, Request, decode, encode
 from dtrain.horovod.table import Key, Response, Table
 
-STALL_WARNING_S = 60.0
-"""Seconds an operation may wait for the other processes before a warning names them
-(Horovod's stall check)."""
-
 
 class Operation:
     """One operation this process issued: its request, its local tensors, and, once the
@@ -99,6 +95,8 @@ class Engine:
             None where this process joined or is not a member); see `execute.py`.
         plan: cuts a round's responses into batches (fusion).
         timeout_s: how long an operation may wait for the others before it fails.
+        warn_s: how long it may wait before a warning names the missing processes (None:
+            never), as Horovod's stall check does.
     """
 
     def __init__(
@@ -109,8 +107,10 @@ class Engine:
         run: Runner,
         plan: Callable[[list[Response]], list[list[Response]]],
         timeout_s: float,
+        warn_s: float | None = 60.0,
     ) -> None:
         self.rank, self.size = rank, size
+        self._warn_s = warn_s
         self._channel = channel
         self._run, self._plan = run, plan
         self._timeout_s = timeout_s
@@ -156,7 +156,7 @@ class Engine:
         return operation
 
     def await_start(self, operation: Operation) -> None:
-        """Wait until `operation` started, warning after a minute and failing after the
+        """Wait until `operation` started, warning after `warn_s` and failing after the
         timeout with the ranks that have not issued it."""
         start = time.monotonic()
         warned = False
@@ -164,7 +164,7 @@ class Engine:
             waited = time.monotonic() - start
             if waited >= self._timeout_s:
                 self._expire(operation, waited)
-            if waited >= STALL_WARNING_S and not warned:
+            if self._warn_s is not None and waited >= self._warn_s and not warned:
                 warned = True
                 warnings.warn(self._stall(operation, waited), stacklevel=4)
 
@@ -280,8 +280,8 @@ class Engine:
 
     def _expire(self, operation: Operation, waited: float) -> None:
         message = self._stall(operation, waited) + (
-            f" It failed after the timeout ({self._timeout_s:.0f} s; HOROVOD_GLOO_TIMEOUT_SECONDS "
-            "or dtrain's --timeout)."
+            f" It failed after {self._timeout_s:g} s (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, else "
+            "HOROVOD_GLOO_TIMEOUT_SECONDS or dtrain's --timeout)."
         )
         with self._lock:
             if self._local.get(operation.request.key) is operation:

@@ -31,6 +31,9 @@ from dtrain.horovod.process_sets import ProcessSet, Registry, dynamic_requested,
 from dtrain.topology import Topology, init_process_group
 
 FUSION_VAR = "HOROVOD_FUSION_THRESHOLD"
+STALL_WARN_VAR = "HOROVOD_STALL_CHECK_TIME_SECONDS"
+STALL_OFF_VAR = "HOROVOD_STALL_CHECK_DISABLE"
+STALL_FAIL_VAR = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 _EXIT_HOOKED = False
 
@@ -91,17 +94,24 @@ def _start_group(rank: int, size: int, config: Config) -> None:
     init_process_group(topology, basics.timeout_s(config))
 
 
-def _fusion_bytes() -> int:
-    text = os.environ.get(FUSION_VAR, "").strip()
+def _env_number(name: str, default: float, example: str) -> float:
+    text = os.environ.get(name, "").strip()
     if not text:
-        return DEFAULT_FUSION_BYTES
+        return default
     try:
-        return max(0, int(float(text)))
+        return max(0.0, float(text))
     except ValueError:
         raise HorovodUsageError(
-            f"{FUSION_VAR}={text!r} is not a number of bytes; set it to e.g. 67108864 (64 MiB), "
-            "or 0 to reduce every tensor on its own."
+            f"{name}={text!r} is not a number; set it to e.g. {example}, or unset it."
         ) from None
+
+
+def _stall_limits(timeout_s: float) -> tuple[float, float | None]:
+    """(seconds before an operation nobody else issued fails, seconds before a warning):
+    Horovod's stall check variables; the failure defaults to the collective timeout."""
+    fail = _env_number(STALL_FAIL_VAR, 0.0, "60") or timeout_s
+    off = os.environ.get(STALL_OFF_VAR, "0").strip() not in ("", "0")
+    return fail, None if off else _env_number(STALL_WARN_VAR, 60.0, "60")
 
 
 def _start_negotiation(ctx: Context, timeout_s: float, dynamic: bool) -> None:
@@ -118,8 +128,11 @@ def _start_negotiation(ctx: Context, timeout_s: float, dynamic: bool) -> None:
         session = (store.add("dtrain/horovod/sessions", 1) - 1) // ctx.size
         channel = Channel(store, ctx.control_group, ctx.rank, ctx.size, session)
     ctx.sets = Registry(ctx.rank, ctx.size, data, dynamic)
-    ctx.executor = Executor(ctx.rank, ctx.devices, ctx.sets.group_of, _fusion_bytes())
-    ctx.engine = Engine(ctx.rank, ctx.size, channel, ctx.executor.run, ctx.executor.plan, timeout_s)
+    fusion = int(_env_number(FUSION_VAR, DEFAULT_FUSION_BYTES, "67108864 (64 MiB)"))
+    ctx.executor = Executor(ctx.rank, ctx.devices, ctx.sets.group_of, fusion)
+    fail_s, warn_s = _stall_limits(timeout_s)
+    run, plan = ctx.executor.run, ctx.executor.plan
+    ctx.engine = Engine(ctx.rank, ctx.size, channel, run, plan, fail_s, warn_s)
 
 
 def shutdown() -> None:
