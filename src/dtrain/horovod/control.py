@@ -10,6 +10,8 @@ process, as in Horovod). `join()` returns the rank that joined last.
 
 from __future__ import annotations
 
+import torch
+
 from dtrain.horovod import basics
 from dtrain.horovod.handles import submit
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
@@ -31,5 +33,8 @@ def join(device: int = -1) -> int:
             one); CPU all-reduces use the CPU.
     """
     ctx = basics.context("join")
+    if device < 0 and torch.cuda.is_available():
+        # The negotiation thread's current GPU is not the one the script pinned.
+        device = torch.cuda.current_device()
     ctx.executor.join_device = device
     return submit(JOIN, "join", "join", [], None, "join").wait()

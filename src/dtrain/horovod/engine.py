@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.horovod.channel import Channel
-from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError
+from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError, MismatchError
 from dtrain.horovod.requests import SHUTDOWN, Request, decode, encode
 from dtrain.horovod.table import Key, Response, Table
 
@@ -232,7 +232,7 @@ class Engine:
                 operation = pairs[response.key]
                 if response.error is not None:
                     if operation is not None:
-                        operation.fail(HorovodUsageError(response.error))
+                        operation.fail(MismatchError(response.error))
                 elif operation is not None or self.rank in response.joined:
                     ready.append((response, operation))
             if ready:

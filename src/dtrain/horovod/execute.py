@@ -73,7 +73,8 @@ class Executor:
         self.group_of = group_of
         self.fusion_bytes = fusion_bytes
         self.join_device = -1
-        """The GPU joined processes make their zeros on, from `join(device)`."""
+        """The GPU joined processes make their zeros on, from `join(device)` (the calling
+        thread's current GPU when -1)."""
 
     def plan(self, responses: list[Response]) -> list[list[Response]]:
         """Cut a round's responses into batches; consecutive all-reduces that may share a

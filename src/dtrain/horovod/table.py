@@ -156,7 +156,7 @@ def _mismatch(response: Response) -> str | None:
     if kind == BROADCAST:
         checks.append(("root ranks", lambda q: q.root))
     for what, get in checks:
-        values = {rank: get(q) for rank, q in requests.items()}
+        values = {rank: get(q) for rank, q in sorted(requests.items())}
         if len(set(values.values())) > 1:
             seen = "; ".join(f"rank {r}: {_show(requests[r], what, v)}" for r, v in values.items())
             return (
