@@ -1,12 +1,9 @@
-"""Horovod's basics: `init`, `shutdown`, who am I (`rank`, `size`, `local_rank`, ...) and
-what is built (`gloo_built`, `nccl_built`, ...).
+"""Horovod's basics: who am I (`rank`, `size`, `local_rank`, ...), what is built
+(`gloo_built`, `nccl_built`, ...), and the job's `Context`.
 
-`init()` joins the default torch.distributed process group from the variables that
-`horovodrun` or `dtrain run` set (RANK, WORLD_SIZE, LOCAL_RANK, ..., or Horovod's own
-HOROVOD_RANK, HOROVOD_SIZE, ...), or adopts the group the script already initialised.
-Run with plain ``python script.py`` it forms a one-process group, as Horovod does. Horovod's
-API is global state by design; it lives in one `Context` here, set by `init` and cleared by
-`shutdown`.
+Horovod's API is global state by design; it lives in one `Context` here, set by
+`hvd.init` and cleared by `hvd.shutdown` (both in `session.py`), with the helpers they use
+to read the launcher's variables.
 """
 
 from __future__ import annotations
