@@ -127,6 +127,30 @@ def _check_join(r: int, n: int) -> None:
     assert hvd.join() == 0
 
 
+def _check_join_training(r: int, n: int) -> None:
+    """DistributedOptimizer with uneven data: rank 0 trains 3 steps, rank 1 trains 5 and
+    its last 2 average its gradients with rank 0's zeros (divided by 2)."""
+    model = torch.nn.Linear(2, 1)
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+
+    def batch(rank: int, step: int) -> torch.Tensor:
+        return torch.tensor([[rank + 1.0, step + 1.0]])
+
+    for step in range(3 if r == 0 else 5):
+        optimizer.zero_grad()
+        model(batch(r, step)).sum().backward()  # the gradient of the weight is the batch
+        optimizer.step()
+    assert hvd.join() == 1
+    steps = [(batch(0, s) + batch(1, s)) / 2 for s in range(3)]
+    steps += [batch(1, s) / 2 for s in (3, 4)] if r == 1 else []
+    assert_close(model.weight, -0.1 * torch.cat(steps).sum(0, keepdim=True))
+    assert_close(model.bias, torch.tensor([-0.1 * (3 + (1.0 if r == 1 else 0.0))]))
+
+
 def _check_optimizer_branches(r: int, n: int) -> None:
     """A parameter without a gradient on rank 0 (a branch it skipped) is reduced with zeros,
     and rank 1's gradients arrive in whatever order backward gives them."""
@@ -205,6 +229,7 @@ def _three_then_two(port_for_two: int) -> list[int]:
         _check_mismatches(r, 2)
         _check_join(r, 2)
         _check_optimizer_branches(r, 2)
+        _check_join_training(r, 2)
         _check_sync_batch_norm(r, 2)
         _check_stall_timeout(r, 2)
         sizes.append(hvd.size())
