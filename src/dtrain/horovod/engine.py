@@ -189,7 +189,8 @@ class Engine:
                 self._channel.wait(round_)
                 batch = self._drain(round_)
                 gathered = [
-                    decode(p) for p in self._channel.gather(encode([op.request for op in batch]))
+                    decode(p)
+                    for p in self._channel.gather(round_, encode([op.request for op in batch]))
                 ]
                 self._channel.forget(round_)
                 self._decide(gathered)

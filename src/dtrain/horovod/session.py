@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.horovod import basics
+from dtrain.horovod import channel as control
 from dtrain.horovod.basics import Context
 from dtrain.horovod.channel import Channel
 from dtrain.horovod.engine import Engine
@@ -121,7 +122,8 @@ def _start_negotiation(ctx: Context, timeout_s: float, dynamic: bool) -> None:
     data = dist.new_group(timeout=timeout)
     channel = None
     if ctx.size > 1:
-        ctx.control_group = dist.new_group(backend="gloo", timeout=timeout)
+        if ctx.size > control.STORE_GATHER_MAX:
+            ctx.control_group = dist.new_group(backend="gloo", timeout=timeout)
         # torch offers the job's store to process groups only; the negotiation rings its
         # doorbell there, as `join` counted arrivals there before.
         store = dist.distributed_c10d._get_default_store()
