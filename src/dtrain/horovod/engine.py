@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dtrain.horovod.channel import Channel
 from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError, MismatchError
-from dtrain.horovod.requests import SHUTDOWN, Request, decode, encode
+from dtrain.horovod.requests import JOIN, SHUTDOWN, Request, decode, encode
 from dtrain.horovod.table import Key, Response, Table
 
 
@@ -157,7 +157,12 @@ class Engine:
 
     def await_start(self, operation: Operation) -> None:
         """Wait until `operation` started, warning after `warn_s` and failing after the
-        timeout with the ranks that have not issued it."""
+        timeout with the ranks that have not issued it (`join` waits without limit: the
+        others may train long after it, and the launcher reports a process that dies)."""
+        if operation.request.kind == JOIN:
+            # A joined process waits as long as the others have data: not a stall.
+            operation.started.wait()
+            return
         start = time.monotonic()
         warned = False
         while not operation.started.wait(1.0):
