@@ -303,9 +303,9 @@ def test_one_process_without_a_launcher_and_refusals(clean_env: None) -> None:
         hvd.allreduce(x, op=42)
     with pytest.raises(ValueError, match="pass op only"):
         hvd.allreduce(x, average=True, op=hvd.Sum)
-    with pytest.raises(UnsupportedError, match="Process sets"):
+    with pytest.raises(HorovodUsageError, match="needs dynamic process sets"):
         hvd.add_process_set([0])
-    with pytest.raises(UnsupportedError, match="Process sets"):
+    with pytest.raises(HorovodUsageError, match="is not registered"):
         hvd.allreduce(x, process_set=hvd.ProcessSet([0, 1]))
     with pytest.raises(UnsupportedError, match="MPI"):
         hvd.init(comm=[0])

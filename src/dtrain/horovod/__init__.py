@@ -3,8 +3,8 @@
 `import horovod.torch as hvd` gives this module (dtrain ships the alias), so Horovod
 scripts run unchanged under ``horovodrun`` (dtrain's) or ``dtrain run``; started with
 plain ``python script.py`` they run as one process, as under Horovod. See docs/horovod.md
-for what is supported and what differs (operations are matched by the order they are
-issued, not negotiated by name).
+for what is supported and what differs. Operations are negotiated by name between the
+processes, as in Horovod (see `engine.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from dtrain.horovod.basics import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -45,7 +44,6 @@ from dtrain.horovod.basics import (
     nccl_built,
     rank,
     rocm_built,
-    shutdown,
     size,
     start_timeline,
     stop_timeline,
@@ -75,6 +73,8 @@ from dtrain.horovod.reducescatter import (
     reducescatter_async,
 )
 from dtrain.horovod.reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from dtrain.horovod.session import init, shutdown
+from dtrain.horovod.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
@@ -90,6 +90,7 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",

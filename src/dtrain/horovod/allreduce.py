@@ -1,11 +1,11 @@
 """All-reduce, Horovod's way: `allreduce` (a new tensor; differentiable), `allreduce_`
-(in place), their ``_async`` forms returning a handle, and the grouped forms, which fuse
-tensors of one dtype and device into one flat buffer and one collective.
+(in place), their ``_async`` forms returning a handle, and the grouped forms, whose tensors
+are negotiated as one operation and reduced together (one collective per dtype).
 
-The result is ``postscale * reduce(prescale * x)``, divided by the number of processes
-for `Average`. Operations are matched across processes by the order they are issued
-(``name`` is kept for messages only), so every process must issue the same all-reduces
-in the same order.
+The result is ``postscale * reduce(prescale * x)``, divided by the size of the process
+set for `Average`. Operations are matched across processes by name (``allreduce.NAME``,
+or an automatic ``allreduce.noname.N``), so processes may issue them in any order; all
+processes must agree on the shape, dtype, op and scale factors of each name.
 """
 
 from __future__ import annotations
@@ -14,78 +14,45 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dtrain.horovod import basics, process_sets
+from dtrain.horovod import basics
 from dtrain.horovod.compression import Compression, Compressor
-from dtrain.horovod.handles import Handle, issue, staged
+from dtrain.horovod.engine import Operation
+from dtrain.horovod.handles import Handle, submit
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
-from dtrain.horovod.reduction import ReduceOp, resolve, scale_, torch_op
+from dtrain.horovod.reduction import ReduceOp, check_scalable, resolve
+from dtrain.horovod.requests import ALLREDUCE
 
 
 def start(
-    output: torch.Tensor,
-    op: ReduceOp,
-    prescale_factor: float,
-    postscale_factor: float,
-    what: str,
-    name: str | None,
-) -> Handle:
-    """Reduce `output` in place across processes; the handle's result is `output`."""
-    size = basics.context(what).size
-    with torch.no_grad():
-        scale_(output, prescale_factor)
-        wire = staged(output, what)
-        work = issue(lambda: dist.all_reduce(wire, op=torch_op(op), async_op=True), what, name)
-
-    def finish() -> torch.Tensor:
-        with torch.no_grad():
-            if wire is not output:
-                output.copy_(wire)
-            scale_(output, postscale_factor / (size if op is ReduceOp.Average else 1))
-        return output
-
-    return Handle([work], finish, what, name)
-
-
-def start_grouped(
     outputs: Sequence[torch.Tensor],
     op: ReduceOp,
     prescale_factor: float,
     postscale_factor: float,
     what: str,
     name: str | None,
-) -> Handle:
-    """Reduce every tensor of `outputs` in place, one collective per dtype and device;
-    the handle's result is the list `outputs`."""
-    size = basics.context(what).size
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in outputs:
-        buckets.setdefault((t.dtype, t.device), []).append(t)
-    flats: list[tuple[list[torch.Tensor], torch.Tensor]] = []
-    works = []
-    with torch.no_grad():
-        for members in buckets.values():
-            flat = staged(torch.cat([t.reshape(-1) for t in members]), what)
-            scale_(flat, prescale_factor)
-            works.append(
-                issue(lambda f=flat: dist.all_reduce(f, op=torch_op(op), async_op=True), what, name)
-            )
-            flats.append((members, flat))
+    process_set: ProcessSet | None = None,
+    prefix: str = "allreduce",
+) -> Operation:
+    """Queue reducing every tensor of `outputs` in place; the operation's result is the
+    list `outputs`, reduced."""
+    tensors = list(outputs)  # reduced in place (under no_grad), and returned as they are
+    check_scalable(tensors, op, prescale_factor, postscale_factor, basics.context(what).size)
+    return submit(
+        ALLREDUCE,
+        prefix,
+        name,
+        tensors,
+        process_set,
+        what,
+        op=int(op),
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
 
-    def finish() -> list[torch.Tensor]:
-        factor = postscale_factor / (size if op is ReduceOp.Average else 1)
-        with torch.no_grad():
-            for members, flat in flats:
-                scale_(flat, factor)
-                offset = 0
-                for t in members:
-                    n = t.numel()
-                    t.copy_(flat[offset : offset + n].view(t.shape))
-                    offset += n
-        return list(outputs)
 
-    return Handle(works, finish, what, name)
+def _first(operation: Operation) -> Any:
+    return operation.wait()[0]
 
 
 def _fresh(tensor: torch.Tensor) -> torch.Tensor:
@@ -95,34 +62,36 @@ def _fresh(tensor: torch.Tensor) -> torch.Tensor:
 
 class _Allreduce(torch.autograd.Function):
     """All-reduce whose gradient is the all-reduce of the incoming gradient with the same
-    op and scaling, as in Horovod."""
+    op, scaling and process set, as in Horovod."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name):  # type: ignore[override]
-        ctx.args = (op, pre, post)
-        return start(_fresh(tensor), op, pre, post, "allreduce", name).wait()
+    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name, ps):  # type: ignore[override]
+        ctx.args = (op, pre, post, ps)
+        return _first(start([_fresh(tensor)], op, pre, post, "allreduce", name, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        op, pre, post = ctx.args
-        return start(_fresh(grad), op, pre, post, "allreduce", None).wait(), None, None, None, None
+        op, pre, post, ps = ctx.args
+        reduced = _first(start([_fresh(grad)], op, pre, post, "allreduce", None, ps))
+        return reduced, None, None, None, None, None
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     """Grouped all-reduce, differentiable like `_Allreduce`."""
 
     @staticmethod
-    def forward(ctx: Any, op: ReduceOp, pre: float, post: float, name, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.args = (op, pre, post)
+    def forward(ctx: Any, op: ReduceOp, pre: float, post: float, name, ps, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.args = (op, pre, post, ps)
         fresh = [_fresh(t) for t in tensors]
-        return tuple(start_grouped(fresh, op, pre, post, "grouped_allreduce", name).wait())
+        operation = start(fresh, op, pre, post, "grouped_allreduce", name, ps, "grouped_allreduce")
+        return tuple(operation.wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor):  # type: ignore[override]
-        op, pre, post = ctx.args
+        op, pre, post, ps = ctx.args
         fresh = [_fresh(g) for g in grads]
-        reduced = start_grouped(fresh, op, pre, post, "grouped_allreduce", None).wait()
-        return (None, None, None, None, *reduced)
+        operation = start(fresh, op, pre, post, "grouped_allreduce", None, ps, "grouped_allreduce")
+        return (None, None, None, None, None, *operation.wait())
 
 
 def _needs_grad(tensors: Sequence[torch.Tensor]) -> bool:
@@ -139,17 +108,22 @@ def allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """A new tensor: `tensor` reduced over every process with `op` (default Average);
-    `tensor` is not modified. Differentiable. `compression` shrinks what is sent."""
+    """A new tensor: `tensor` reduced over the processes of `process_set` with `op`
+    (default Average); `tensor` is not modified. Differentiable. `compression` shrinks
+    what is sent."""
     basics.context("allreduce")
-    process_sets.check(process_set)
     chosen = resolve(op, average)
     compressed, cctx = compression.compress(tensor)
     if _needs_grad([compressed]):
-        reduced = _Allreduce.apply(compressed, chosen, prescale_factor, postscale_factor, name)
+        reduced = _Allreduce.apply(
+            compressed, chosen, prescale_factor, postscale_factor, name, process_set
+        )
     else:
         out = _fresh(compressed) if compressed is tensor else compressed.detach()
-        reduced = start(out, chosen, prescale_factor, postscale_factor, "allreduce", name).wait()
+        operation = start(
+            [out], chosen, prescale_factor, postscale_factor, "allreduce", name, process_set
+        )
+        reduced = _first(operation)
     return compression.decompress(reduced, cctx)
 
 
@@ -164,9 +138,12 @@ def allreduce_async(
 ) -> Handle:
     """Start reducing a copy of `tensor`; `synchronize(handle)` returns the new tensor."""
     basics.context("allreduce_async")
-    process_sets.check(process_set)
     chosen = resolve(op, average)
-    return start(_fresh(tensor), chosen, prescale_factor, postscale_factor, "allreduce_async", name)
+    operation = start(
+        [_fresh(tensor)], chosen, prescale_factor, postscale_factor, "allreduce_async", name,
+        process_set,
+    )  # fmt: skip
+    return Handle([operation], lambda: _first(operation), "allreduce_async", name)
 
 
 def allreduce_async_(
@@ -178,11 +155,14 @@ def allreduce_async_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
-    """Start reducing `tensor` in place; `synchronize(handle)` returns `tensor`, reduced."""
+    """Start reducing `tensor` in place; `synchronize(handle)` returns `tensor`, reduced.
+    Leave `tensor` alone until then."""
     basics.context("allreduce_async_")
-    process_sets.check(process_set)
     chosen = resolve(op, average)
-    return start(tensor, chosen, prescale_factor, postscale_factor, "allreduce_async_", name)
+    operation = start(
+        [tensor], chosen, prescale_factor, postscale_factor, "allreduce_async_", name, process_set
+    )
+    return Handle([operation], lambda: tensor, "allreduce_async_", name)
 
 
 def allreduce_(
@@ -194,11 +174,11 @@ def allreduce_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """Reduce `tensor` in place over every process and return it."""
-    basics.context("allreduce_")
-    process_sets.check(process_set)
-    chosen = resolve(op, average)
-    return start(tensor, chosen, prescale_factor, postscale_factor, "allreduce_", name).wait()
+    """Reduce `tensor` in place over the processes of `process_set` and return it."""
+    handle = allreduce_async_(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return handle.wait()
 
 
 def grouped_allreduce(
@@ -211,10 +191,9 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    """New tensors: each of `tensors` reduced over every process, in one fused collective
-    per dtype and device. Differentiable."""
+    """New tensors: each of `tensors` reduced over the processes of `process_set`, as one
+    negotiated operation. Differentiable."""
     basics.context("grouped_allreduce")
-    process_sets.check(process_set)
     chosen = resolve(op, average)
     if not tensors:
         return []
@@ -222,16 +201,18 @@ def grouped_allreduce(
     compressed = [c for c, _ in pairs]
     if _needs_grad(compressed):
         reduced = list(
-            _GroupedAllreduce.apply(chosen, prescale_factor, postscale_factor, name, *compressed)
+            _GroupedAllreduce.apply(
+                chosen, prescale_factor, postscale_factor, name, process_set, *compressed
+            )
         )
     else:
         outs = [
             _fresh(c) if c is t else c.detach() for c, t in zip(compressed, tensors, strict=True)
         ]
-        handle = start_grouped(
-            outs, chosen, prescale_factor, postscale_factor, "grouped_allreduce", name
-        )
-        reduced = handle.wait()
+        reduced = start(
+            outs, chosen, prescale_factor, postscale_factor, "grouped_allreduce", name,
+            process_set, "grouped_allreduce",
+        ).wait()  # fmt: skip
     return [compression.decompress(r, c) for r, (_, c) in zip(reduced, pairs, strict=True)]
 
 
@@ -245,13 +226,10 @@ def grouped_allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start reducing copies of `tensors`; `synchronize(handle)` returns the new list."""
-    basics.context("grouped_allreduce_async")
-    process_sets.check(process_set)
-    chosen = resolve(op, average)
-    outs = [_fresh(t) for t in tensors]
-    return start_grouped(
-        outs, chosen, prescale_factor, postscale_factor, "grouped_allreduce_async", name
-    )
+    return grouped_allreduce_async_(
+        [_fresh(t) for t in tensors], average, name, op, prescale_factor, postscale_factor,
+        process_set, "grouped_allreduce_async",
+    )  # fmt: skip
 
 
 def grouped_allreduce_async_(
@@ -262,14 +240,16 @@ def grouped_allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
+    what: str = "grouped_allreduce_async_",
 ) -> Handle:
     """Start reducing `tensors` in place; `synchronize(handle)` returns them, reduced."""
-    basics.context("grouped_allreduce_async_")
-    process_sets.check(process_set)
+    basics.context(what)
     chosen = resolve(op, average)
-    return start_grouped(
-        list(tensors), chosen, prescale_factor, postscale_factor, "grouped_allreduce_async_", name
-    )
+    operation = start(
+        list(tensors), chosen, prescale_factor, postscale_factor, what, name, process_set,
+        "grouped_allreduce",
+    )  # fmt: skip
+    return Handle([operation], operation.wait, what, name)
 
 
 def grouped_allreduce_(
@@ -281,11 +261,10 @@ def grouped_allreduce_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    """Reduce every tensor of `tensors` in place over every process; return them."""
-    basics.context("grouped_allreduce_")
-    process_sets.check(process_set)
-    chosen = resolve(op, average)
-    handle = start_grouped(
-        list(tensors), chosen, prescale_factor, postscale_factor, "grouped_allreduce_", name
-    )
+    """Reduce every tensor of `tensors` in place over the processes of `process_set`;
+    return them."""
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+        "grouped_allreduce_",
+    )  # fmt: skip
     return handle.wait()

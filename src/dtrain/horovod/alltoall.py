@@ -1,8 +1,9 @@
 """All-to-all, Horovod's way: each process sends `splits[j]` rows (slices along the first
-dimension) of its tensor to process j and receives every process's rows for it, in rank
-order. Without `splits` the first dimension is cut into equal parts. As in Horovod 0.21
-and later, `alltoall(tensor, splits)` returns ``(output, received_splits)``;
-`alltoall(tensor)` returns the output alone.
+dimension) of its tensor to the j-th member of the process set and receives every member's
+rows for it, in rank order. Without `splits` the first dimension is cut into equal parts.
+As in Horovod 0.21 and later, `alltoall(tensor, splits)` returns ``(output,
+received_splits)``; `alltoall(tensor)` returns the output alone. The splits travel with the
+negotiation, so the receive sizes are known when the exchange starts.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dtrain.horovod import basics, process_sets
+from dtrain.horovod import process_sets
+from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
-from dtrain.horovod.handles import Handle, issue, staged
+from dtrain.horovod.handles import Handle, submit
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
-from dtrain.horovod.shapes import exchange
+from dtrain.horovod.requests import ALLTOALL
 
 Splits = torch.Tensor | Sequence[int] | None
 
@@ -45,44 +46,43 @@ def _splits(tensor: torch.Tensor, splits: Splits, size: int, what: str) -> list[
     return values
 
 
-def start(tensor: torch.Tensor, splits: Splits, what: str, name: str | None) -> Handle:
-    """Exchange rows; the handle's result is (output, received_splits)."""
-    ctx = basics.context(what)
-    sent = _splits(tensor, splits, ctx.size, what)
-    entries = exchange([tensor], what, name, extra=sent)
-    received = [e.extra[ctx.rank] for e in entries]
+def start(
+    tensor: torch.Tensor,
+    splits: Splits,
+    what: str,
+    name: str | None,
+    process_set: ProcessSet | None = None,
+) -> tuple[Operation, torch.dtype]:
+    """Queue exchanging rows; the operation's result is (output, received splits as a list);
+    also returns the dtype the received splits are handed back in (that of `splits`)."""
+    members = process_sets.members(process_set, what)
+    sent = _splits(tensor, splits, len(members), what)
     split_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
-    with torch.no_grad():
-        wire = staged(tensor.detach(), what)
-        out = wire.new_empty((sum(received), *wire.shape[1:]))
-        work = issue(
-            lambda: dist.all_to_all_single(
-                out, wire, output_split_sizes=received, input_split_sizes=sent, async_op=True
-            ),
-            what,
-            name,
-        )
+    operation = submit(
+        ALLTOALL, "alltoall", name, [tensor.detach()], process_set, what, splits=tuple(sent)
+    )
+    return operation, split_dtype
 
-    def finish() -> tuple[torch.Tensor, torch.Tensor]:
-        return out.to(tensor.device), torch.tensor(received, dtype=split_dtype)
 
-    return Handle([work], finish, what, name)
+def _result(operation: Operation, split_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    output, received = operation.wait()
+    return output, torch.tensor(received, dtype=split_dtype)
 
 
 class _Alltoall(torch.autograd.Function):
     """All-to-all whose gradient goes back the way the rows came."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Splits, name: str | None):  # type: ignore[override]
-        output, received = start(tensor, splits, "alltoall", name).wait()
-        ctx.received = received
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Splits, name: str | None, ps):  # type: ignore[override]
+        output, received = _result(*start(tensor, splits, "alltoall", name, ps))
+        ctx.received, ctx.ps = received, ps
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _unused: torch.Tensor):  # type: ignore[override]
-        returned, _ = start(grad.contiguous(), ctx.received, "alltoall", None).wait()
-        return returned, None, None
+        returned, _ = _result(*start(grad.contiguous(), ctx.received, "alltoall", None, ctx.ps))
+        return returned, None, None, None
 
 
 def alltoall(
@@ -91,15 +91,13 @@ def alltoall(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Send `splits[j]` rows of `tensor` to each process j and gather what every process
+    """Send `splits[j]` rows of `tensor` to each member j and gather what every member
     sends here, in rank order. Returns ``(output, received_splits)`` when `splits` is given,
     else the output alone. Differentiable."""
-    basics.context("alltoall")
-    process_sets.check(process_set)
     if torch.is_grad_enabled() and tensor.requires_grad:
-        output, received = _Alltoall.apply(tensor, splits, name)
+        output, received = _Alltoall.apply(tensor, splits, name, process_set)
     else:
-        output, received = start(tensor, splits, "alltoall", name).wait()
+        output, received = _result(*start(tensor, splits, "alltoall", name, process_set))
     return output if splits is None else (output, received)
 
 
@@ -109,8 +107,6 @@ def alltoall_async(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
-    """Start `alltoall`; `synchronize(handle)` returns ``(output, received_splits)``. The
-    splits are exchanged before this returns (it waits for every process to call it)."""
-    basics.context("alltoall_async")
-    process_sets.check(process_set)
-    return start(tensor, splits, "alltoall_async", name)
+    """Start `alltoall`; `synchronize(handle)` returns ``(output, received_splits)``."""
+    operation, split_dtype = start(tensor, splits, "alltoall_async", name, process_set)
+    return Handle([operation], lambda: _result(operation, split_dtype), "alltoall_async", name)

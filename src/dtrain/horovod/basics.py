@@ -1,28 +1,24 @@
-"""Horovod's basics: `init`, `shutdown`, who am I (`rank`, `size`, `local_rank`, ...) and
-what is built (`gloo_built`, `nccl_built`, ...).
+"""Horovod's basics: who am I (`rank`, `size`, `local_rank`, ...), what is built
+(`gloo_built`, `nccl_built`, ...), and the job's `Context`.
 
-`init()` joins the default torch.distributed process group from the variables that
-`horovodrun` or `dtrain run` set (RANK, WORLD_SIZE, LOCAL_RANK, ..., or Horovod's own
-HOROVOD_RANK, HOROVOD_SIZE, ...), or adopts the group the script already initialised.
-Run with plain ``python script.py`` it forms a one-process group, as Horovod does. Horovod's
-API is global state by design; it lives in one `Context` here, set by `init` and cleared by
-`shutdown`.
+Horovod's API is global state by design; it lives in one `Context` here, set by
+`hvd.init` and cleared by `hvd.shutdown` (both in `session.py`), with the helpers they use
+to read the launcher's variables.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dtrain.config import Config
-from dtrain.horovod.errors import HorovodUsageError, NotInitializedError, UnsupportedError
-from dtrain.topology import Topology, init_process_group
+from dtrain.horovod.errors import HorovodUsageError, NotInitializedError
 
 TIMEOUT_VAR = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 """Seconds a collective may wait (Horovod's own variable; `horovodrun --gloo-timeout-seconds`)."""
@@ -39,7 +35,11 @@ class Context:
         devices: device type -> backend of the process group ("cpu" -> "gloo", ...);
             tensors on other devices are staged through one the group handles.
         owns_group: True if `init` created the process group (and `shutdown` destroys it).
-        joins: `join()` calls so far (every rank counts the same).
+        engine: the negotiation engine (`engine.Engine`) operations are submitted to.
+        executor: what starts negotiated operations (`execute.Executor`).
+        sets: the registered process sets (`process_sets.Registry`).
+        control_group: the gloo group the negotiation runs on (None for one process).
+        counters: this process's unnamed operations so far, by kind and process set.
     """
 
     rank: int
@@ -50,11 +50,21 @@ class Context:
     cross_size: int
     devices: dict[str, str]
     owns_group: bool
-    joins: int = 0
+    engine: Any = None
+    executor: Any = None
+    sets: Any = None
+    control_group: Any = None
+    counters: dict = field(default_factory=dict)
 
 
 _CONTEXT: Context | None = None
-_EXIT_HOOKED = False
+
+
+def set_context(ctx: Context | None) -> Context | None:
+    """Install `ctx` as the job's Context (None clears it); return the one it replaces."""
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, ctx
+    return previous
 
 
 def context(what: str) -> Context:
@@ -65,7 +75,7 @@ def context(what: str) -> Context:
     return _CONTEXT
 
 
-def _env_int(names: tuple[str, ...], default: int) -> int:
+def env_int(names: tuple[str, ...], default: int) -> int:
     """The first of the variables `names` that is set, as an int; else `default`."""
     for name in names:
         value = os.environ.get(name)
@@ -80,7 +90,7 @@ def _env_int(names: tuple[str, ...], default: int) -> int:
     return default
 
 
-def _timeout_s(config: Config | None) -> float:
+def timeout_s(config: Config | None) -> float:
     """Horovod's HOROVOD_GLOO_TIMEOUT_SECONDS, else dtrain's --timeout, else 600 s."""
     text = os.environ.get(TIMEOUT_VAR)
     if text:
@@ -93,7 +103,7 @@ def _timeout_s(config: Config | None) -> float:
     return config.timeout_s if config is not None else 600.0
 
 
-def _backend(config: Config | None) -> str:
+def backend(config: Config | None) -> str:
     """gloo for CPU tensors, and NCCL for CUDA tensors where there are GPUs: Horovod reduces
     tensors wherever they live, and one group with both backends does too."""
     if torch.cuda.is_available() and dist.is_nccl_available() and not (config and config.cpu):
@@ -101,7 +111,7 @@ def _backend(config: Config | None) -> str:
     return "gloo"
 
 
-def _devices() -> dict[str, str]:
+def devices() -> dict[str, str]:
     """device type -> backend, from the default group's backend config ("cpu:gloo,...")."""
     text = str(dist.get_backend_config())
     pairs = (item.split(":", 1) for item in text.split(",") if ":" in item)
@@ -109,71 +119,15 @@ def _devices() -> dict[str, str]:
     return devices or {"cpu": str(dist.get_backend())}
 
 
-def init(comm: object = None, process_sets: object = None) -> None:
-    """Join (or form) the job's process group; a second call does nothing.
-
-    Args:
-        comm: Horovod's MPI communicator or list of ranks; refused (dtrain has no MPI).
-        process_sets: Horovod's process sets to create at start; refused in this version.
-    """
-    global _CONTEXT, _EXIT_HOOKED
-    if comm is not None:
-        raise UnsupportedError(
-            "hvd.init(comm=...) picks ranks through MPI, which dtrain does not use; call "
-            "hvd.init() without comm: every process horovodrun starts takes part."
-        )
-    if process_sets is not None:
-        raise UnsupportedError(
-            "Process sets (hvd.init(process_sets=...)) are not supported yet; call hvd.init() "
-            "without them and run collectives over all processes."
-        )
-    if _CONTEXT is not None:
-        return
-    rank, size = _env_int(("RANK", "HOROVOD_RANK"), 0), _env_int(("WORLD_SIZE", "HOROVOD_SIZE"), 1)
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        _start_group(rank, size)
-    else:
-        rank, size = dist.get_rank(), dist.get_world_size()
-    local_rank, local_size, cross_rank, cross_size = placement(rank, size)
-    _CONTEXT = Context(
-        rank, size, local_rank, local_size, cross_rank, cross_size, _devices(), owns_group
-    )
-    export_environment(_CONTEXT)
-    if not _EXIT_HOOKED:  # Horovod shuts down at exit too; once is enough
-        atexit.register(shutdown)
-        _EXIT_HOOKED = True
-
-
 def placement(rank: int, size: int) -> tuple[int, int, int, int]:
     """(local_rank, local_size, cross_rank, cross_size) of global `rank` in a job of
     `size`, from the launcher's variables (torchrun's, then Horovod's); a job without them
     is taken to run on one machine."""
-    local_size = max(1, _env_int(("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE"), size))
-    local_rank = _env_int(("LOCAL_RANK", "HOROVOD_LOCAL_RANK"), rank % local_size)
-    cross_size = _env_int(("GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE"), -(-size // local_size))
-    cross_rank = _env_int(("GROUP_RANK", "HOROVOD_CROSS_RANK"), rank // local_size)
+    local_size = max(1, env_int(("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE"), size))
+    local_rank = env_int(("LOCAL_RANK", "HOROVOD_LOCAL_RANK"), rank % local_size)
+    cross_size = env_int(("GROUP_WORLD_SIZE", "HOROVOD_CROSS_SIZE"), -(-size // local_size))
+    cross_rank = env_int(("GROUP_RANK", "HOROVOD_CROSS_RANK"), rank // local_size)
     return local_rank, local_size, cross_rank, cross_size
-
-
-def _start_group(rank: int, size: int) -> None:
-    if size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        raise HorovodUsageError(
-            f"This process is rank {rank} of {size}, but no rendezvous address is set "
-            "(MASTER_ADDR, MASTER_PORT); start the script with `horovodrun -np N python "
-            "script.py` or `dtrain run --nproc N script.py`, which set it."
-        )
-    if not 0 <= rank < size:
-        raise HorovodUsageError(
-            f"The environment gives rank {rank} for a job of {size} process(es); start the "
-            "script with horovodrun, which sets both."
-        )
-    config = Config.from_env()
-    local_rank, local_size, _, _ = placement(rank, size)
-    # Horovod scripts pin their GPU themselves (torch.cuda.set_device(hvd.local_rank()))
-    # after init, so the group is created lazily for CUDA: no device is bound here.
-    topology = Topology(rank, size, local_rank, local_size, torch.device("cpu"), _backend(config))
-    init_process_group(topology, _timeout_s(config))
 
 
 def export_environment(ctx: Context) -> None:
@@ -197,15 +151,6 @@ def set_environment(
         HOROVOD_CROSS_SIZE=str(cross_size),
     )
     os.environ.setdefault("HOROVOD_HOSTNAME", socket.gethostname())
-
-
-def shutdown() -> None:
-    """Leave the job: destroy the process group `init` created (one the script created
-    itself is left alone). Nothing happens before `init`; `init` may be called again."""
-    global _CONTEXT
-    ctx, _CONTEXT = _CONTEXT, None
-    if ctx is not None and ctx.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def is_initialized() -> bool:

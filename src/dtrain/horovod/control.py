@@ -1,43 +1,40 @@
-"""`barrier` and `join`.
+"""`barrier` and `join`, both decided by the negotiation alone (no data moves).
 
-Horovod's `join()` lets a process that ran out of data stop early: until every process
-has joined, it keeps answering the others' all-reduces with zeros. That needs every
-collective negotiated by name, which this version does not do (operations are matched by
-the order they are issued). Here `join()` waits until every process has called it and
-returns the rank that called it last, as Horovod's does; a process must not call it while
-others still issue collectives (they would wait until the timeout). Give every process the
-same number of batches instead (a DistributedSampler pads the dataset to do so).
+`join()` lets a process that ran out of data stop early, as Horovod's does: it blocks until
+every process has joined, and meanwhile the negotiation counts the joined process as
+present for every all-reduce the others issue, in which it takes part with zeros. An
+`Average` still divides by the size of the process set, joined processes included.
+Operations other than all-reduce cannot run while a member has joined (an error on every
+process, as in Horovod). `join()` returns the rank that joined last.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from dtrain.horovod import basics, process_sets
-from dtrain.horovod.handles import issue, staged
+from dtrain.horovod import basics
+from dtrain.horovod.handles import submit
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
+from dtrain.horovod.requests import BARRIER, JOIN
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every process reaches this call."""
-    basics.context("barrier")
-    process_sets.check(process_set)
-    issue(lambda: dist.barrier(), "barrier", None)
+    """Wait until every process of `process_set` reaches this call."""
+    submit(BARRIER, "barrier", None, [], process_set, "barrier").wait()
 
 
 def join(device: int = -1) -> int:
-    """Wait until every process has called `join()`; return the rank that called it last.
+    """Declare that this process has no more data; block until every process has joined,
+    taking part with zeros in the all-reduces the others issue meanwhile. Returns the rank
+    that joined last.
 
     Args:
-        device: Horovod's device for its zero tensors; accepted and unused here.
+        device: the GPU on which the zeros are made for CUDA all-reduces (-1: the current
+            one); CPU all-reduces use the CPU.
     """
     ctx = basics.context("join")
-    ctx.joins += 1
-    # The job's store counts arrivals: the process that brings the count to a multiple of
-    # size was last (a multiple, as a store kept across a re-init still holds old counts).
-    store = dist.distributed_c10d._get_default_store()
-    arrived = store.add(f"dtrain/horovod/join/{ctx.joins}", 1)
-    last = staged(torch.tensor([ctx.rank if arrived % ctx.size == 0 else -1]), "join")
-    issue(lambda: dist.all_reduce(last, op=dist.ReduceOp.MAX), "join", None)
-    return int(last.item())
+    if device < 0 and torch.cuda.is_available():
+        # The negotiation thread's current GPU is not the one the script pinned.
+        device = torch.cuda.current_device()
+    ctx.executor.join_device = device
+    return submit(JOIN, "join", "join", [], None, "join").wait()

@@ -29,3 +29,9 @@ class UnsupportedError(DtrainError, NotImplementedError):
 class HorovodInternalError(RuntimeError):
     """A collective failed (a peer died, a timeout passed); Horovod's elastic scripts
     catch this name."""
+
+
+class MismatchError(HorovodUsageError, HorovodInternalError):
+    """The processes disagree about an operation of one name (shape, dtype, op, root...).
+    Raised on every process that issued it; both a ValueError (a usage error, as dtrain
+    reports them) and a HorovodInternalError (what Horovod raises for it)."""

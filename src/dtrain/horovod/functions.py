@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from dtrain.horovod import basics, process_sets
+from dtrain.horovod import basics
 from dtrain.horovod.allgather import start as start_allgather
 from dtrain.horovod.broadcast import start as start_broadcast
+from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
-from dtrain.horovod.handles import Handle
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise
@@ -49,7 +49,7 @@ def _broadcast_fused(tensors: list[torch.Tensor], root_rank: int, what: str) -> 
     buckets: dict[tuple[torch.dtype, str], list[torch.Tensor]] = {}
     for t in tensors:
         buckets.setdefault((t.dtype, t.device.type), []).append(t)
-    pending: list[tuple[list[torch.Tensor], Handle]] = []
+    pending: list[tuple[list[torch.Tensor], Operation]] = []
     with torch.no_grad():
         for members in buckets.values():
             home = members[0].device
@@ -82,32 +82,32 @@ def broadcast_object(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """`root_rank`'s `obj`, pickled there and returned on every process (root gets its own
-    object back)."""
+    """`root_rank`'s `obj`, pickled there and returned on every member of `process_set`
+    (root gets its own object back). Unnamed, the two broadcasts it takes get automatic
+    names (Horovod names them after the object's type, which differs between a root holding
+    an object and the others passing None)."""
     ctx = basics.context("broadcast_object")
-    process_sets.check(process_set)
-    label = name or type(obj).__name__
     if ctx.rank == root_rank:
         payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    start_broadcast(length, root_rank, "broadcast_object", f"{label}.size").wait()
+    what = "broadcast_object"
+    start_broadcast(length, root_rank, what, name and f"{name}.size", process_set).wait()
     if ctx.rank != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    start_broadcast(payload, root_rank, "broadcast_object", f"{label}.bytes").wait()
+    start_broadcast(payload, root_rank, what, name and f"{name}.bytes", process_set).wait()
     return obj if ctx.rank == root_rank else pickle.loads(payload.numpy().tobytes())
 
 
 def allgather_object(
     obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> list[Any]:
-    """Every process's `obj`, in rank order (each pickled where it lives)."""
+    """Every member's `obj`, in rank order (each pickled where it lives)."""
     basics.context("allgather_object")
-    process_sets.check(process_set)
     payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
-    handle, rows = start_allgather([payload], "allgather_object", name or type(obj).__name__)
-    gathered = handle.wait()[0]
+    gathered, rows = start_allgather([payload], "allgather_object", name, process_set).wait()
+    gathered = gathered[0]
     objects, offset = [], 0
     for n in rows[0]:
         objects.append(pickle.loads(gathered[offset : offset + n].numpy().tobytes()))

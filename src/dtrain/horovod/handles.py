@@ -1,5 +1,5 @@
-"""Asynchronous operations: the handle an ``*_async`` call returns, `poll` and
-`synchronize`, and the wrapping of a failed collective into HorovodInternalError."""
+"""Issuing an operation (`submit`: name it, describe it, queue it for negotiation) and
+the handle an ``*_async`` call returns, with `poll` and `synchronize`."""
 
 from __future__ import annotations
 
@@ -7,28 +7,32 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dtrain.horovod import basics
+from dtrain.horovod import basics, process_sets
+from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError
+from dtrain.horovod.process_sets import ProcessSet
+from dtrain.horovod.requests import Request, describe, full_name
 
 
-def failure(what: str, name: str | None, error: BaseException) -> HorovodInternalError:
-    """The error a failed collective becomes: what failed, and what to look at."""
-    label = f"hvd.{what}" + (f" ({name!r})" if name else "")
-    return HorovodInternalError(
-        f"{label} failed: {error}. A peer process may have died, or the processes issued "
-        "different collectives in a different order (dtrain matches operations by the "
-        "order they are issued, not by name); check the other ranks' output."
+def submit(
+    kind: str,
+    prefix: str,
+    name: str | None,
+    tensors: Sequence[torch.Tensor],
+    process_set: ProcessSet | None,
+    what: str,
+    **fields: Any,
+) -> Operation:
+    """Queue an operation of `kind` over `process_set` on `tensors`; its name is
+    ``PREFIX.NAME`` or ``PREFIX.noname.N`` (see `requests.full_name`). `fields` fill the
+    rest of the Request (op, root, scale factors, splits)."""
+    ctx = basics.context(what)
+    ranks = process_sets.members(process_set, what)
+    request = Request(
+        full_name(prefix, name, ctx.counters, ranks), kind, ranks, **describe(tensors), **fields
     )
-
-
-def issue(start: Callable[[], dist.Work | None], what: str, name: str | None) -> dist.Work | None:
-    """Start a torch.distributed collective, turning its errors into HorovodInternalError."""
-    try:
-        return start()
-    except RuntimeError as e:  # DistError and gloo's errors are RuntimeErrors
-        raise failure(what, name, e) from e
+    return ctx.engine.submit(request, tensors)
 
 
 class Handle:
@@ -39,36 +43,36 @@ class Handle:
 
     def __init__(
         self,
-        works: Sequence[dist.Work | Handle | None],
+        works: Sequence[Operation | Handle],
         finish: Callable[[], Any],
         what: str,
         name: str | None = None,
     ) -> None:
-        self._works = [w for w in works if w is not None]
+        self._works = list(works)
         self._finish = finish
         self._done = False
         self._result: Any = None
-        self._error: HorovodInternalError | None = None
+        self._error: BaseException | None = None
         self.what = what
         self.name = name
 
     def poll(self) -> bool:
-        """True once the collective finished (waiting would not block)."""
+        """True once the operation finished (waiting would not block)."""
         return self._done or all(w.is_completed() for w in self._works)
 
-    is_completed = poll  # so a handle can wait on another handle, as on a dist.Work
+    is_completed = poll  # so a handle can wait on another handle, as on an Operation
 
     def wait(self) -> Any:
-        """Block until the collective finished; return its result."""
+        """Block until the operation finished; return its result."""
         if self._error is not None:
             raise self._error
         if not self._done:
             try:
                 for work in self._works:
                     work.wait()
-            except RuntimeError as e:  # DistError and gloo's errors are RuntimeErrors
-                self._error = failure(self.what, self.name, e)
-                raise self._error from e
+            except (HorovodInternalError, HorovodUsageError) as e:
+                self._error = e
+                raise
             self._result = self._finish()
             self._done, self._works, self._finish = True, [], _nothing
         return self._result
@@ -102,14 +106,3 @@ def _check(handle: object, what: str) -> None:
             f"hvd.{what}() takes the handle an hvd.*_async call returned, got "
             f"{type(handle).__name__}; pass that handle."
         )
-
-
-def staged(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    """`tensor` itself if the process group can send it as it is, else a contiguous copy on
-    a device the group handles (a CPU tensor under an NCCL-only group goes to the GPU)."""
-    devices = basics.context(what).devices
-    if tensor.device.type in devices:
-        return tensor if tensor.is_contiguous() else tensor.contiguous()
-    if "cpu" in devices:
-        return tensor.to("cpu", copy=True).contiguous()
-    return tensor.to(torch.device("cuda", torch.cuda.current_device()), copy=True).contiguous()

@@ -1,11 +1,9 @@
 """`hvd.DistributedOptimizer`: the user's optimizer, with every gradient all-reduced as
 backward produces it.
 
-Each parameter gets a post-accumulate-grad hook; once a parameter's gradient has been
-accumulated `backward_passes_per_step` times, the hook starts an asynchronous all-reduce
-of it (in place, or of its compressed copy), so communication overlaps the rest of
-backward. `step()` (or `synchronize()`) waits for them and writes the averaged gradients
-back before the wrapped optimizer updates the parameters.
+The hooks and all-reduces live in `gradient_hooks.GradientReducer`; `step()` (or
+`synchronize()`) waits for them and writes the averaged gradients back before the wrapped
+optimizer updates the parameters.
 
 The returned object is an instance of a subclass of the optimizer's own class that shares
 the original's parameter groups, state and defaults, so it is a `torch.optim.Optimizer`
@@ -24,202 +22,35 @@ from typing import Any
 import torch
 
 from dtrain.horovod import basics, process_sets
-from dtrain.horovod.allgather import start as start_allgather
-from dtrain.horovod.allreduce import start, start_grouped
 from dtrain.horovod.compression import Compression, Compressor
 from dtrain.horovod.errors import HorovodUsageError
-from dtrain.horovod.handles import Handle
+from dtrain.horovod.gradient_hooks import GradientReducer
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
 from dtrain.horovod.reduction import ReduceOp, resolve
-
-Key = torch.Tensor | tuple[torch.Tensor, ...]
-
-
-def _split_evenly(params: list[torch.Tensor], count: int) -> list[tuple[torch.Tensor, ...]]:
-    """`params` cut into `count` consecutive groups whose sizes differ by at most one."""
-    count = max(1, min(count, len(params)))
-    size, extra = divmod(len(params), count)
-    groups, at = [], 0
-    for i in range(count):
-        n = size + (1 if i < extra else 0)
-        groups.append(tuple(params[at : at + n]))
-        at += n
-    return [g for g in groups if g]
-
-
-def _fire(ref: weakref.ref, param: torch.Tensor) -> None:
-    """The post-accumulate-grad hook: forward to the optimizer while it lives."""
-    optimizer = ref()
-    if optimizer is not None:
-        optimizer._hvd_gradient_ready(param)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods a DistributedOptimizer adds to (or wraps around) the user's class; the
     class built by `DistributedOptimizer` puts this first in its bases."""
 
-    def _hvd_setup(
-        self,
-        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
-        compression: type[Compressor],
-        backward_passes_per_step: int,
-        op: ReduceOp,
-        gradient_predivide_factor: float,
-        groups: int | Sequence[Sequence[torch.Tensor]] | None,
-        sparse_as_dense: bool,
-        original: torch.optim.Optimizer,
-    ) -> None:
-        params = [p for group in self.param_groups for p in group["params"]]
-        self._hvd_names = _names(named_parameters, params)
-        self._hvd_compression = compression
-        self._hvd_op = op
-        self._hvd_predivide = gradient_predivide_factor
-        self._hvd_sparse_as_dense = sparse_as_dense
+    def _hvd_setup(self, reducer: GradientReducer, original: torch.optim.Optimizer) -> None:
+        self._hvd = reducer
         self._hvd_original = weakref.ref(original)
-        self.backward_passes_per_step = backward_passes_per_step
-        self._hvd_params: list[torch.Tensor] = []
-        self._hvd_delay: dict[torch.Tensor, int] = {}
-        self._hvd_handles: dict[Key, tuple[Handle, Any]] = {}
-        self._hvd_group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
-        self._hvd_ready: dict[tuple[torch.Tensor, ...], int] = {}
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
-        self._hvd_hooks: list[Any] = []
-        # As in Horovod, one process needs no hooks: there is nothing to reduce.
-        self._hvd_reduces = basics.size() > 1
-        self._hvd_track(params)
-        if groups is not None:
-            for group in _groups(groups, self._hvd_params):
-                self._hvd_ready[group] = 0
-                for p in group:
-                    self._hvd_group_of[p] = group
 
-    def _hvd_track(self, params: list[torch.Tensor]) -> None:
-        """Reduce the gradients of `params` (those that require one) from now on."""
-        ref = weakref.ref(self)
-        for p in params:
-            if not p.requires_grad or p in self._hvd_delay:
-                continue
-            self._hvd_names.setdefault(p, f"allreduce.noname.{len(self._hvd_names)}")
-            self._hvd_params.append(p)
-            self._hvd_delay[p] = self.backward_passes_per_step
-            if self._hvd_reduces:
-                hook = p.register_post_accumulate_grad_hook(lambda t, r=ref: _fire(r, t))
-                self._hvd_hooks.append(hook)
-
-    # --- gradients as backward produces them ------------------------------------------
-
-    def _hvd_gradient_ready(self, p: torch.Tensor) -> None:
-        if self._hvd_delay[p] <= 0:
-            raise HorovodUsageError(
-                f"The gradient of {self._hvd_names[p]} was computed more than "
-                f"backward_passes_per_step={self.backward_passes_per_step} times before "
-                "optimizer.step(); raise backward_passes_per_step to accumulate more backward "
-                "passes locally, or call optimizer.step() (or synchronize()) in between."
-            )
-        self._hvd_delay[p] -= 1
-        if self._hvd_delay[p] > 0:
-            return
-        group = self._hvd_group_of.get(p)
-        if group is None:
-            self._hvd_handles[p] = self._hvd_launch(p)
-            return
-        self._hvd_ready[group] += 1
-        if self._hvd_ready[group] == len(group):
-            self._hvd_handles[group] = self._hvd_launch_group(group)
-
-    def _hvd_scales(self) -> tuple[float, float]:
-        """(prescale, postscale): the predivide factor splits the averaging in two."""
-        if self._hvd_op is ReduceOp.Average:
-            return 1.0 / self._hvd_predivide, self._hvd_predivide
-        return 1.0, 1.0
-
-    def _hvd_launch(self, p: torch.Tensor) -> tuple[Handle, Any]:
-        if p.grad is None:
-            # No gradient here, but another process may have one (a branch this process
-            # did not take): it must still take part, with zeros.
-            p.grad = torch.zeros_like(p)
-        grad = p.grad
-        name = self._hvd_names[p]
-        if grad.is_sparse:
-            if not self._hvd_sparse_as_dense:
-                return self._hvd_launch_sparse(p, name), None
-            grad = grad.to_dense()
-        compressed, ctx = self._hvd_compression.compress(grad)
-        pre, post = self._hvd_scales()
-        return start(compressed, self._hvd_op, pre, post, "DistributedOptimizer", name), ctx
-
-    def _hvd_launch_sparse(self, p: torch.Tensor, name: str) -> Handle:
-        grad = p.grad.coalesce()
-        indices = grad.indices().t().contiguous()
-        handle, _ = start_allgather([indices, grad.values()], "DistributedOptimizer", name)
-        size = basics.size()
-
-        def finish() -> torch.Tensor:
-            all_indices, values = handle.wait()
-            if self._hvd_op is ReduceOp.Average:
-                values = values / size
-            return torch.sparse_coo_tensor(all_indices.t(), values, grad.shape).coalesce()
-
-        return Handle([handle], finish, "DistributedOptimizer", name)
-
-    def _hvd_launch_group(self, group: tuple[torch.Tensor, ...]) -> tuple[Handle, Any]:
-        for p in group:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        pairs = [self._hvd_compression.compress(p.grad) for p in group]
-        pre, post = self._hvd_scales()
-        name = self._hvd_names[group[0]]
-        handle = start_grouped(
-            [c for c, _ in pairs], self._hvd_op, pre, post, "DistributedOptimizer", name
-        )
-        return handle, [c for _, c in pairs]
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before each all-reduce."""
+        return self._hvd.passes
 
     # --- the optimizer's public surface -----------------------------------------------
 
     def synchronize(self) -> None:
-        """Wait for every gradient's all-reduce (starting those backward did not start,
-        in parameter order) and write the reduced gradients back."""
-        launched: set[torch.Tensor] = set()
-        for key in self._hvd_handles:
-            launched.update(key if isinstance(key, tuple) else (key,))
-        if self._hvd_reduces:
-            for p in self._hvd_params:
-                if p in launched:
-                    continue
-                group = self._hvd_group_of.get(p)
-                if group is None:
-                    self._hvd_handles[p] = self._hvd_launch(p)
-                elif group not in self._hvd_handles:
-                    self._hvd_handles[group] = self._hvd_launch_group(group)
-                launched.update(group or (p,))
-        for key, (handle, ctx) in self._hvd_handles.items():
-            result = handle.wait()
-            if isinstance(key, tuple):
-                for p, reduced, c in zip(key, result, ctx, strict=True):
-                    self._hvd_write(p, reduced, c)
-            else:
-                self._hvd_write(key, result, ctx)
-        self._hvd_reset()
+        """Wait for every gradient's all-reduce (starting those backward did not start)
+        and write the reduced gradients back."""
+        self._hvd.synchronize()
         self._hvd_synchronized = True
-
-    def _hvd_write(self, p: torch.Tensor, reduced: torch.Tensor, ctx: Any) -> None:
-        with torch.no_grad():
-            if reduced.is_sparse:
-                p.grad = reduced
-                return
-            value = self._hvd_compression.decompress(reduced, ctx)
-            if p.grad.is_sparse:  # sparse_as_dense: reduced dense, applied sparse
-                p.grad = value.to_sparse()
-            elif value.data_ptr() != p.grad.data_ptr():
-                p.grad.copy_(value)
-
-    def _hvd_reset(self) -> None:
-        self._hvd_handles.clear()
-        for p in self._hvd_delay:
-            self._hvd_delay[p] = self.backward_passes_per_step
-        for group in self._hvd_ready:
-            self._hvd_ready[group] = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -238,9 +69,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"backward_passes_per_step must be at least 1, got {passes}; pass 1 to "
                 "reduce after every backward pass."
             )
-        self.backward_passes_per_step = passes
-        for p in self._hvd_delay:
-            self._hvd_delay[p] = passes
+        self._hvd.set_passes(passes)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Synchronize the gradients (unless inside `skip_synchronize()`), then update."""
@@ -262,7 +91,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients; refused while all-reduces are under way."""
-        if self._hvd_handles:
+        if self._hvd.handles:
             raise HorovodUsageError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(), while gradients are being "
@@ -272,7 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as the wrapped optimizer does, dropping any all-reduce under way."""
-        self._hvd_reset()
+        self._hvd.reset()
         self._hvd_synchronized = False
         self._hvd_should_synchronize = True
         groups, state = self.param_groups, self.state
@@ -289,69 +118,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as the wrapped optimizer does; its gradients are reduced too."""
         super().add_param_group(param_group)
-        if hasattr(self, "_hvd_delay"):
-            self._hvd_track(list(self.param_groups[-1]["params"]))
-
-
-def _names(
-    named_parameters: Iterable[tuple[str, torch.Tensor]] | None, params: list[torch.Tensor]
-) -> dict[torch.Tensor, str]:
-    """Each parameter's name (for messages): from `named_parameters`, checked, or generated."""
-    if named_parameters is None:
-        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
-    pairs = list(named_parameters)
-    if any(not (isinstance(x, tuple) and len(x) == 2) for x in pairs):
-        raise HorovodUsageError(
-            "named_parameters must be (name, parameter) pairs; pass model.named_parameters()."
-        )
-    names = [n for n, _ in pairs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise HorovodUsageError(
-            f"named_parameters repeats the name(s) {', '.join(duplicates)}; every name must "
-            "be unique (model.named_parameters() gives unique names)."
-        )
-    by_param = {p: n for n, p in pairs}
-    missing = [i for i, p in enumerate(params) if p not in by_param]
-    if missing:
-        raise HorovodUsageError(
-            f"named_parameters does not name {len(missing)} of the optimizer's parameters; "
-            "pass the named_parameters() of the model whose parameters the optimizer holds."
-        )
-    return {p: by_param[p] for p in params}
-
-
-def _groups(
-    groups: int | Sequence[Sequence[torch.Tensor]], params: list[torch.Tensor]
-) -> list[tuple[torch.Tensor, ...]]:
-    """The fusion groups: `groups` equal runs of the parameters, or the given lists plus
-    one group per parameter they leave out."""
-    if isinstance(groups, int):
-        if groups < 1:
-            raise HorovodUsageError(
-                f"groups must be a positive number or a list of lists of parameters, got "
-                f"{groups}; pass e.g. groups=4."
-            )
-        return _split_evenly(params, groups)
-    seen: set[torch.Tensor] = set()
-    result = []
-    for group in groups:
-        members = []
-        for p in group:
-            if not isinstance(p, torch.Tensor):
-                raise HorovodUsageError(
-                    "groups must hold parameters (tensors); pass lists of the model's parameters."
-                )
-            if p in seen:
-                raise HorovodUsageError(
-                    "A parameter appears in more than one of groups; list each at most once."
-                )
-            seen.add(p)
-            if p.requires_grad:
-                members.append(p)
-        if members:
-            result.append(tuple(members))
-    return result + [(p,) for p in params if p not in seen]
+        if hasattr(self, "_hvd"):
+            self._hvd.track(list(self.param_groups[-1]["params"]))
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -383,10 +151,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             parameters (one fused all-reduce per list once all its gradients are ready).
         sparse_as_dense: all-reduce sparse gradients as dense tensors instead of
             all-gathering their indices and values.
-        process_set: only the global process set in this version.
+        process_set: the processes whose gradients are averaged (default: all); only
+            its members may build this optimizer.
     """
     basics.context("DistributedOptimizer")
-    process_sets.check(process_set)
+    process_sets.members(process_set, "DistributedOptimizer")
     chosen = resolve(op)
     if chosen not in (ReduceOp.Average, ReduceOp.Sum):
         raise HorovodUsageError(
@@ -425,14 +194,17 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     # Share (not copy) the groups, state and defaults; a scheduler's wrapper of the
     # original's step stays behind, so this object's own step runs.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
-    wrapped._hvd_setup(
+    params = [p for group in wrapped.param_groups for p in group["params"]]
+    reducer = GradientReducer(
+        params,
         named_parameters,
         compression,
-        backward_passes_per_step,
         chosen,
         gradient_predivide_factor,
-        groups,
         sparse_as_dense,
-        optimizer,
+        process_set,
+        backward_passes_per_step,
+        groups,
     )
+    wrapped._hvd_setup(reducer, optimizer)
     return wrapped

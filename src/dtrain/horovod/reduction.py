@@ -82,6 +82,18 @@ def torch_op(op: ReduceOp) -> dist.ReduceOp:
     return _TORCH_OPS[op]
 
 
+def check_scalable(
+    tensors: list[torch.Tensor], op: ReduceOp, prescale: float, postscale: float, size: int
+) -> None:
+    """Refuse, before anything is sent, a boolean tensor that would have to be scaled."""
+    scaled = prescale != 1 or postscale != 1 or (op is ReduceOp.Average and size > 1)
+    if scaled and any(t.dtype == torch.bool for t in tensors):
+        raise HorovodUsageError(
+            "A boolean tensor cannot be averaged or scaled; use op=hvd.Sum, hvd.Min or "
+            "hvd.Max, or convert it to an integer or float tensor first."
+        )
+
+
 def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """Multiply `tensor` by `factor` in place; integer tensors are scaled in float64 and
     truncated toward zero, as Horovod scales them."""
