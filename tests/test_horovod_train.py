@@ -210,7 +210,8 @@ def test_import_horovod_torch_is_dtrain_horovod() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["-np", "2", "-H", "gpu-node-7:2", "python", "x.py"], "this machine only"),
+        (["-np", "3", "-H", "node-a:1,node-b:1", "python", "x.py"], "does not match the 2 slots"),
+        (["-np", "3", "-H", "node-a:1,node-b:2", "python", "x.py"], "different numbers of slots"),
         (["-np", "2", "--mpi", "python", "x.py"], "MPI"),
         (["-np", "3", "-H", "localhost:2", "python", "x.py"], "more processes than the 2 slot"),
         (["-np", "2", "--min-np", "1", "python", "x.py"], "Elastic runs"),

@@ -175,7 +175,8 @@ def test_one_command_over_ssh_starts_both_hosts_and_equals_one_process(
     hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     """`dtrain run -H dt-h1:1,dt-h2:1` on dt-h1 logs in to both hosts (an sshd in each
-    namespace), trains as one process, and leaves nothing running on either host."""
+    namespace), trains as one process, and leaves nothing running on either host; so does
+    `horovodrun -H` with a Horovod script."""
     if why_no_sshd():
         pytest.skip(why_no_sshd())
     daemons = [
@@ -198,6 +199,20 @@ def test_one_command_over_ssh_starts_both_hosts_and_equals_one_process(
         assert head.returncode == 0, output[-3000:]
         assert "[dt-h1] [rank 0]" in output
         assert_close(safetensors.torch.load_file(f"{result}.0"), single)
+        example = Path(__file__).parents[1] / "examples" / "horovod_synthetic_benchmark.py"
+        horovodrun = hosts.popen(
+            hosts.hosts[0],
+            [sys.executable, "-m", "dtrain.horovod.run", "-np", "2", "-H", "dt-h1:1,dt-h2:1",
+             "-i", str(daemons[0].identity), "python", str(example), "--num-iters", "1",
+             "--hidden", "64"],
+            cwd=tmp_path,
+            env={**_env(), **ssh_environment(daemons[0])},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        output = horovodrun.communicate(timeout=150)[0]
+        assert horovodrun.returncode == 0, output[-3000:]
+        assert "Total samples/sec on 2 process(es)" in output
         daemon_pids = {str(d.process.pid) for d in daemons}
         for host in hosts.hosts:
             pids = subprocess.run(

@@ -1,5 +1,5 @@
-"""The hosts `horovodrun` is given (``-H host:slots,...`` or ``--hostfile``), and the check
-that they all name this machine: launching on other machines is not there yet."""
+"""The hosts `horovodrun` is given (``-H host:slots,...`` or ``--hostfile``), and which of
+them name this machine (a job on this machine alone runs without ssh)."""
 
 from __future__ import annotations
 
@@ -74,17 +74,8 @@ def local_names() -> set[str]:
 
 
 def this_machine(hosts: list[Host]) -> Host:
-    """The one host of `hosts`, which must be this machine; ConfigError otherwise."""
-    mine = local_names()
-    others = [h.name for h in hosts if h.name not in mine]
-    if others:
-        raise ConfigError(
-            f"horovodrun on dtrain starts processes on this machine only for now; "
-            f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} another machine. Run "
-            "on this machine with -H localhost:N, or on several machines run `dtrain run "
-            "--nnodes K --node-rank I --master HOST:PORT --nproc N script.py` on each of them "
-            "(Horovod scripts run unchanged under it)."
-        )
+    """The one host of `hosts`, all of which name this machine; ConfigError if it is
+    listed more than once."""
     if len(hosts) > 1:
         raise ConfigError(
             f"The hosts {', '.join(h.name for h in hosts)} all name this machine; list it once, "

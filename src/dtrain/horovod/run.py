@@ -1,13 +1,14 @@
 """``horovodrun``: Horovod's launcher, on dtrain's.
 
-    horovodrun -np N [-H localhost:N | --hostfile F] [-p PORT] [-i KEY] python script.py ARGS
+    horovodrun -np N [-H host:slots,... | --hostfile F] [-p PORT] [-i KEY] python script.py ARGS
 
-It starts N processes on this machine through dtrain's launcher (torch's elastic agent,
-which names a failing rank with its traceback and stops the others), each running the
-script after setting Horovod's variables (HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK,
-HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK, HOROVOD_CROSS_SIZE, HOROVOD_HOSTNAME). Hosts other
-than this machine are refused for now, as are MPI and elastic runs; each refusal says what
-to use instead.
+It starts N processes through dtrain's launcher (torch's elastic agent, which names a
+failing rank with its traceback and stops the others): on this machine, or, when the hosts
+name other machines, on every host over ssh (dtrain's -H launch: every slot runs a
+process). Each runs the script after setting Horovod's variables (HOROVOD_RANK,
+HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK,
+HOROVOD_CROSS_SIZE, HOROVOD_HOSTNAME). MPI and elastic runs are refused; each refusal
+says what to use instead.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import sys
 from pathlib import Path
 
 import torch
 
 from dtrain.config import Config
-from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
+from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.horovod import basics
-from dtrain.horovod.hosts import Host, parse_hostfile, parse_hosts, this_machine
+from dtrain.horovod.hosts import Host, local_names, parse_hostfile, parse_hosts, this_machine
+from dtrain.launch.hosts import hosts_of
 from dtrain.launch.runner import Target, launch
 
 API_VERSION = "0.28.1"
@@ -54,15 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     """horovodrun's command line (the flags Horovod's users pass, and the command)."""
     parser = argparse.ArgumentParser(
         prog="horovodrun",
-        description="Run a Horovod training script on dtrain: N processes on this machine.",
+        description="Run a Horovod training script on dtrain: N processes on this machine, "
+        "or on every host of -H/--hostfile over ssh.",
         allow_abbrev=False,
     )
     parser.add_argument("-v", "--version", action="store_true", help="Print the version.")
     parser.add_argument("-np", "--num-proc", type=int, dest="np", help="Processes to start.")
-    parser.add_argument("-H", "--hosts", help="host:slots,... (this machine only for now).")
-    parser.add_argument("--hostfile", help="File of 'HOST slots=N' lines (this machine only).")
-    parser.add_argument("-p", "--ssh-port", type=int, help="SSH port (unused on one machine).")
-    parser.add_argument("-i", "--ssh-identity-file", help="SSH key (unused on one machine).")
+    parser.add_argument("-H", "--hosts", help="host:slots,... (other machines over ssh).")
+    parser.add_argument("--hostfile", help="File of 'HOST slots=N' lines.")
+    parser.add_argument("-p", "--ssh-port", type=int, help="SSH port of the other hosts.")
+    parser.add_argument("-i", "--ssh-identity-file", help="SSH key for the other hosts.")
     parser.add_argument(
         "--start-timeout", type=int, help="Seconds the processes may take to start (accepted)."
     )
@@ -136,14 +138,33 @@ def target_of(command: list[str]) -> Target:
     return target
 
 
-def _host_of(args: argparse.Namespace) -> Host | None:
+def _hosts_of(args: argparse.Namespace) -> list[Host] | None:
     if args.hosts and args.hostfile:
         raise ConfigError("Give either -H or --hostfile, not both.")
     if args.hosts:
-        return this_machine(parse_hosts(args.hosts))
+        return parse_hosts(args.hosts)
     if args.hostfile:
-        return this_machine(parse_hostfile(args.hostfile))
+        return parse_hostfile(args.hostfile)
     return None
+
+
+def _over_ssh(args: argparse.Namespace, hosts: list[Host]) -> Config:
+    """The job on several machines: every slot of every host runs a process, started
+    over ssh by dtrain's launcher (-p, -i as Horovod's)."""
+    total = sum(h.slots for h in hosts)
+    if args.np is not None and args.np != total:
+        raise ConfigError(
+            f"-np {args.np} does not match the {total} slots of "
+            f"{', '.join(f'{h.name}:{h.slots}' for h in hosts)}; on several machines every slot "
+            f"runs a process, so give -np {total} or change the slots."
+        )
+    config = Config(
+        hosts=[f"{h.name}:{h.slots}" for h in hosts],
+        ssh_port=args.ssh_port or 22,
+        ssh_identity=args.ssh_identity_file,
+    )
+    hosts_of(config)  # the launcher's own checks (equal slots, each host once), now
+    return config
 
 
 def _processes(args: argparse.Namespace, host: Host | None) -> int:
@@ -171,15 +192,19 @@ def _processes(args: argparse.Namespace, host: Host | None) -> int:
     return args.np
 
 
-def _environment(args: argparse.Namespace, nproc: int, host: Host | None) -> dict[str, str]:
-    """The variables every process shares (the per-rank ones come from the worker)."""
-    env = {
-        "HOROVOD_SIZE": str(nproc),
-        "HOROVOD_LOCAL_SIZE": str(nproc),
-        "HOROVOD_CROSS_RANK": "0",
-        "HOROVOD_CROSS_SIZE": "1",
-        "HOROVOD_HOSTNAME": host.name if host is not None else "localhost",
-    }
+def _environment(
+    args: argparse.Namespace, nproc: int, host: Host | None, many: bool
+) -> dict[str, str]:
+    """The variables every process shares (the per-rank ones come from the worker; on
+    several machines the per-machine ones too, from each host's launcher)."""
+    env = {"HOROVOD_SIZE": str(nproc)}
+    if not many:
+        env |= {
+            "HOROVOD_LOCAL_SIZE": str(nproc),
+            "HOROVOD_CROSS_RANK": "0",
+            "HOROVOD_CROSS_SIZE": "1",
+            "HOROVOD_HOSTNAME": host.name if host is not None else "localhost",
+        }
     if args.start_timeout is not None:
         env["HOROVOD_START_TIMEOUT"] = str(args.start_timeout)
     if args.gloo_timeout_seconds is not None:
@@ -221,10 +246,17 @@ def run(args: argparse.Namespace) -> None:
     """Launch the command described by parsed `args`; raise DtrainError on bad input or
     LaunchError when a process fails."""
     _refuse(args)
-    host = _host_of(args)
-    nproc = _processes(args, host)
+    hosts = _hosts_of(args)
+    many = hosts is not None and any(h.name not in local_names() for h in hosts)
+    host = None if hosts is None or many else this_machine(hosts)
+    if many:
+        assert hosts is not None
+        config = _over_ssh(args, hosts)
+        nproc = sum(h.slots for h in hosts)
+    else:
+        nproc = _processes(args, host)
+        config = Config(nproc=nproc)
     target = target_of(args.command)
-    config = Config(nproc=nproc)
     if args.gloo_timeout_seconds is not None:
         config = config.replace(timeout_s=args.gloo_timeout_seconds)
     if args.timeline_filename:
@@ -235,7 +267,7 @@ def run(args: argparse.Namespace) -> None:
         )
     saved = dict(os.environ)
     try:
-        os.environ.update(_environment(args, nproc, host))
+        os.environ.update(_environment(args, nproc, host, many))
         worker = Target("module", "dtrain.horovod.worker", (target.kind, target.name, *target.args))
         launch(config, worker)
     finally:
@@ -258,19 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         run(args)
-    except LaunchError as e:
-        print(f"horovodrun: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        e = Stopped(signal.SIGINT)
-        print(f"horovodrun: {e}", file=sys.stderr)
-        return e.exit_code
-    except Stopped as e:
-        print(f"horovodrun: {e}", file=sys.stderr)
-        return e.exit_code
-    except DtrainError as e:
-        print(f"horovodrun: {e}", file=sys.stderr)
-        return 2
+    except (DtrainError, KeyboardInterrupt) as e:
+        message, code = exit_report(e)
+        print(f"horovodrun: {message}", file=sys.stderr)
+        return code
     return 0
 
 
