@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models", default=",".join(MODELS), help="mlp, gpt-small")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="Steps per run (default: mlp 400, gpt-small 40)."
+    )
     parser.add_argument("--cache", type=Path, default=Path("runs/plan_validation.json"))
     parser.add_argument(
         "--reuse", action="store_true", help="Use the cached measurements, run nothing."
@@ -144,7 +147,8 @@ def main() -> None:
                 for c in result["candidates"]:
                     predicted.setdefault(c["flags"], []).append(c["samples_per_second"])
                 for c in result["candidates"]:
-                    got = measure(model, {**c, "optimizer": optimizer}, STEPS[name],
+                    steps = args.steps or STEPS[name]
+                    got = measure(model, {**c, "optimizer": optimizer}, steps,
                                   result["global_batch_size"])  # fmt: skip
                     if got is not None:
                         measured.setdefault(c["flags"], []).append(got)

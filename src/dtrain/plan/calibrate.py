@@ -55,19 +55,14 @@ class StepTime:
         """Forward + backward."""
         return self.forward + self.backward
 
-    def wait(self, ranks: int) -> float:
-        """Seconds a step of `ranks` ranks in lockstep loses to jitter: the expected
-        slowest of `ranks` draws of the measured step times, less the lower-quartile step
-        the other terms use. The expected maximum of n draws from k sorted samples x_i is
-        sum_i x_i ((i/k)^n - ((i-1)/k)^n); one rank (n = 1) gets the mean."""
-        k = len(self.totals)
-        if not k:
+    @property
+    def jitter(self) -> float:
+        """The share of time the machine's jitter adds to a step: the mean measured step
+        over the lower-quartile step the other terms use, less 1."""
+        low = self.forward + self.backward + self.optimizer
+        if not self.totals or low <= 0:
             return 0.0
-        slowest = sum(
-            x * ((i / k) ** ranks - ((i - 1) / k) ** ranks)
-            for i, x in enumerate(self.totals, start=1)
-        )
-        return max(0.0, slowest - (self.forward + self.backward + self.optimizer))
+        return max(0.0, sum(self.totals) / len(self.totals) / low - 1)
 
 
 @dataclass
@@ -114,6 +109,8 @@ class Calibration:
     """(per-device batch, threads, beside other ranks) -> measured step parts."""
     copy_bandwidth: float = 0.0
     """Bytes per second of a copy of the parameters on the device (towers' replicas)."""
+    overheads: dict[str, float] = field(default_factory=dict)
+    """Seconds per step each torch wrapper adds by itself (`dtrain.plan.overheads`)."""
     probe_seconds: float = 0.0
 
     def step(self, batch: int, threads: int, shared: bool) -> StepTime:
@@ -222,13 +219,18 @@ def measure(
     source: Source,
     contenders: int,
     seconds: float,
+    wrappers: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> Calibration:
     """Time the model at every (per-device batch, threads, shared) of `points`; weigh it.
 
     The shared points (the ranks of a multi-process layout) are timed while `contenders`
     helper processes train the same model beside this one (`dtrain.plan.busy`), as the
     other ranks of the job would: on the CPU they share the cores' memory and caches.
+    The `wrappers` (ddp, zero2, zero3, tensor) are timed then too, at the middle shared
+    batch, on a one-rank group.
     """
+    from dtrain.plan.overheads import measure_overheads
+
     began = time.perf_counter()
     shared = sorted(p for p in points if p[2])
     helpers = _start_helpers(source, shared, contenders)
@@ -243,6 +245,12 @@ def measure(
         for point in shared:
             with _threads(point[1]):
                 calibration.steps[point] = time_step(work, model, point[0], device, seconds)
+        if shared and wrappers:
+            batch, threads, _ = shared[len(shared) // 2]
+            with _threads(threads):
+                calibration.overheads = measure_overheads(
+                    work, device, batch, seconds, set(wrappers), time_step
+                )
     finally:
         _stop(helpers)
     calibration.copy_bandwidth = copy_bandwidth(figures.param_bytes, device)

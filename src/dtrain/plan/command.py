@@ -15,7 +15,7 @@ import torch
 
 from dtrain.errors import ConfigError
 from dtrain.plan import calibrate, links, report
-from dtrain.plan.estimate import Estimate, Inputs, estimate, probe_points
+from dtrain.plan.estimate import Estimate, Inputs, estimate, probe_points, wrappers_of
 from dtrain.plan.layouts import Layout, check, enumerate_layouts
 from dtrain.plan.machine import Machine, physical_memory, threads_from_env
 from dtrain.plan.source import Source, Workload, load_source
@@ -98,7 +98,13 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda", 0) if machine.gpus else torch.device("cpu")
     contenders = args.nproc - 1 if not machine.gpus else 0
     cal = calibrate.measure(
-        work, probe_points(kept, batch, machine), device, source, contenders, args.probe_seconds
+        work,
+        probe_points(kept, batch, machine),
+        device,
+        source,
+        contenders,
+        args.probe_seconds,
+        wrappers_of(kept),
     )  # fmt: skip
     tensor = calibrate.tensor_figures(work, batch, device)
     world = args.nproc * args.nnodes
@@ -176,6 +182,7 @@ def _calibration_summary(
         "activation_bytes_per_sample": f.activation_bytes_per_sample,
         "flops_per_sample": f.flops_per_sample,
         "steps": steps,
+        "wrapper_overhead_seconds": cal.overheads,
         "link": link.source,
         "all_reduce_latency_seconds": link.latency_seconds,
         "all_reduce_bus_bandwidth": link.bus_bandwidth if link.ranks > 1 else None,

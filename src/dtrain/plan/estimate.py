@@ -38,6 +38,8 @@ class Estimate:
     activation_bytes: float
     wait_seconds: float = 0.0
     """Lost to jitter: a step in lockstep runs at the pace of its slowest rank."""
+    overhead_seconds: float = 0.0
+    """The torch wrapper's own work per step (DDP, FSDP2, DTensor), measured on one rank."""
     bubble: float = 0.0
     fits: bool = True
     global_batch: int = 0
@@ -52,6 +54,7 @@ class Estimate:
             + self.optimizer_seconds
             + self.idle_seconds
             + self.wait_seconds
+            + self.overhead_seconds
         )
 
     @property
@@ -87,6 +90,10 @@ class Inputs:
     def machine_single_threads(self) -> int:
         return 0 if self.machine.gpus else self.machine.single_threads
 
+    def overhead(self, wrapper: str) -> float:
+        """Seconds per step the torch `wrapper` adds by itself (0 if not measured)."""
+        return self.calibration.overheads.get(wrapper, 0.0)
+
     def allreduce(self, size: float, n: int, layout: Layout) -> float:
         """One all-reduce of `size` bytes over `n` ranks (across machines when the layout
         spans several: flat ring or hierarchical)."""
@@ -102,6 +109,13 @@ class Inputs:
         )
 
 
+def _wait(step: StepTime, ranks: int, busy: float) -> float:
+    """Time lost to jitter by `ranks` ranks in lockstep that compute for `busy` seconds:
+    each rank's pauses (the measured jitter share of its time) stall every rank, so the
+    losses add up: ranks x jitter x busy (for rare, short pauses)."""
+    return ranks * step.jitter * busy
+
+
 def _activations(inputs: Inputs, batch: float) -> float:
     return inputs.calibration.figures.activation_bytes_per_sample * batch
 
@@ -112,7 +126,7 @@ def _single(inputs: Inputs, layout: Layout) -> Estimate:
     states = costs.zero_model_states(f.param_bytes, f.grad_bytes, f.optimizer_bytes, 1, 0, False)
     return Estimate(
         layout, inputs.global_batch, s.data, s.compute, 0.0, s.optimizer, 0.0, states,
-        _activations(inputs, inputs.global_batch), wait_seconds=s.wait(1),
+        _activations(inputs, inputs.global_batch), wait_seconds=_wait(s, 1, s.compute),
     )  # fmt: skip
 
 
@@ -125,9 +139,9 @@ def _towers(inputs: Inputs, layout: Layout) -> Estimate:
     b = inputs.global_batch / t
     part = inputs.single_step(b)
     if inputs.machine.gpus:
-        compute, copies, wait = part.compute, t, part.wait(t)
+        compute, copies, wait = part.compute, t, _wait(part, t, part.compute)
     else:
-        compute, copies, wait = t * part.compute, t - 1, t * part.wait(1)
+        compute, copies, wait = t * part.compute, t - 1, _wait(part, 1, t * part.compute)
     moved = costs.towers_replication_bytes(f.param_bytes, copies)
     whole = inputs.single_step(inputs.global_batch)
     states = f.param_bytes + f.grad_bytes + f.optimizer_bytes + moved
@@ -163,7 +177,7 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     states = costs.zero_model_states(f.param_bytes, f.grad_bytes, f.optimizer_bytes, n, stage)
     return Estimate(
         layout, b, s.data, s.compute, comm, optimizer, 0.0, states, _activations(inputs, b),
-        wait_seconds=s.wait(n),
+        wait_seconds=_wait(s, n, s.compute), overhead_seconds=inputs.overhead("ddp"),
     )  # fmt: skip
 
 
@@ -195,25 +209,32 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
     states = costs.zero_model_states(f.param_bytes, f.grad_bytes, f.optimizer_bytes, shard, stage)
     return Estimate(
         layout, b, s.data, s.compute, comm, s.optimizer / shard, 0.0, states,
-        _activations(inputs, b), wait_seconds=s.wait(n),
+        _activations(inputs, b), wait_seconds=_wait(s, n, s.compute),
+        overhead_seconds=inputs.overhead("zero2" if stage == 2 else "zero3"),
     )  # fmt: skip
 
 
 def _parameter_server(inputs: Inputs, layout: Layout) -> Estimate:
     """Workers push gradients and pull parameters through the servers (PS formula on the
     measured send/recv bandwidth, plus one round trip's latency); each server updates its
-    1/K of the model, on the critical path of a synchronous step."""
+    1/K of the model, on the critical path of a synchronous step. On the CPU the K server
+    processes share the machine's cores with the N workers: with more processes than
+    cores, each worker computes (N + K) / cores times slower (the servers' receiving
+    threads poll even while they wait)."""
     f = inputs.calibration.figures
     n, k = layout.nproc, layout.servers
     b = inputs.global_batch / n
     s = inputs.step(b, layout.processes_per_node)
+    crowd = 1.0
+    if not inputs.machine.gpus:
+        crowd = max(1.0, layout.processes_per_node / max(inputs.machine.cores, n))
     bandwidth = inputs.links.p2p_bandwidth
     comm = costs.ps_step_seconds(f.param_bytes, n, k, bandwidth)
     comm += 2 * inputs.links.seconds("send_recv", 0)
     states = f.param_bytes + f.grad_bytes
     return Estimate(
-        layout, b, s.data, s.compute, comm, s.optimizer / k, 0.0, states,
-        _activations(inputs, b), wait_seconds=s.wait(n),
+        layout, b, s.data, s.compute * crowd, comm, s.optimizer / k, 0.0, states,
+        _activations(inputs, b), wait_seconds=_wait(s, n, s.compute * crowd),
     )  # fmt: skip
 
 
@@ -265,11 +286,16 @@ def _model_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     held = costs.micro_batches_held(layout.schedule or "gpipe", pp, m, 0) if pp > 1 else 1
     activations = _activations(inputs, micro) * held * act_share
     data = inputs.step(replica_batch, layout.processes_per_node).data
-    # Every micro-batch hands over between ranks, so each slot waits for the slower one.
-    wait = slots * s.wait(layout.world) * share * tshare
+    # The jitter of a step of the replica's whole batch (that of tiny micro-batch steps
+    # overstates it: a pause of the machine costs the same time whatever the step).
+    whole = inputs.step(replica_batch, layout.processes_per_node)
+    wait = _wait(whole, layout.world, slots * per_micro)
+    overhead = m * inputs.overhead("tensor") * share if tp > 1 else 0.0
+    if dp > 1:  # replicas of stages or of DTensor layers: FSDP2's replicate
+        overhead += inputs.overhead("zero2") * param_share
     return Estimate(
         layout, micro, data, compute, comm, s.optimizer * param_share * t_split, idle, states,
-        activations, wait_seconds=wait,
+        activations, wait_seconds=wait, overhead_seconds=overhead,
         bubble=costs.pipeline_bubble(pp, m, layout.virtual) if pp > 1 else 0.0,
     )  # fmt: skip
 
@@ -339,6 +365,23 @@ def estimate(inputs: Inputs, layout: Layout) -> Estimate:
     result.global_batch = inputs.global_batch
     result.fits = result.memory_bytes_per_rank <= inputs.machine.memory_per_device
     return result
+
+
+def wrappers_of(layouts: list[Layout]) -> set[str]:
+    """The torch wrappers whose own cost the calibration must time for `layouts`."""
+    out = set()
+    for layout in layouts:
+        if layout.strategy in ("ddp", "zero1"):
+            out.add("ddp")
+        elif layout.strategy in ("zero2", "zero3"):
+            out.add(layout.strategy)
+        elif layout.strategy == "hsdp":
+            out.add("zero3")
+        if layout.tp > 1:
+            out.add("tensor")
+        if layout.strategy == "hybrid" and layout.dp > 1:
+            out.add("zero2")
+    return out
 
 
 def probe_points(

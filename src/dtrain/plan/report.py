@@ -26,6 +26,7 @@ def candidate(e: Estimate, command_prefix: str | None) -> dict[str, Any]:
         "optimizer_seconds": e.optimizer_seconds,
         "idle_seconds": e.idle_seconds,
         "wait_seconds": e.wait_seconds,
+        "overhead_seconds": e.overhead_seconds,
         "per_device_batch": e.per_device_batch,
         "model_state_bytes": int(e.model_state_bytes),
         "activation_bytes": int(e.activation_bytes),
@@ -42,14 +43,15 @@ def table(ranked: list[Estimate]) -> str:
     """The candidates, best first, one line each."""
     head = (
         f"{'#':>3}  {'samples/s':>10} {'step ms':>9} {'t1 ms':>8} {'t2 ms':>8} "
-        f"{'MiB/rank':>9}  flags"
+        f"{'wait ms':>8} {'MiB/rank':>9}  flags"
     )
     lines = [head]
     for i, e in enumerate(ranked, 1):
         lines.append(
             f"{i:>3}  {e.samples_per_second:>10,.1f} {e.step_seconds * 1e3:>9.2f} "
             f"{e.compute_seconds * 1e3:>8.2f} {e.communication_seconds * 1e3:>8.2f} "
-            f"{e.memory_bytes_per_rank / MIB:>9.1f}  {e.layout.flags()}"
+            f"{e.wait_seconds * 1e3:>8.2f} {e.memory_bytes_per_rank / MIB:>9.1f}  "
+            f"{e.layout.flags()}"
         )
     return "\n".join(lines)
 
@@ -89,6 +91,12 @@ def explain(ranked: list[Estimate], memory_per_device: float) -> str:
             "One device, so there is no communication (t2 = 0): every other layout splits "
             "the batch or the model and pays more in communication and smaller batches "
             "than it gains."
+        )
+    if best.wait_seconds > 0.05 * best.step_seconds:
+        parts.append(
+            f"Jitter costs {best.wait_seconds * 1e3:.2f} ms a step: the probe's step times "
+            "vary (other jobs on the machine), and a step in lockstep waits for its slowest "
+            "rank."
         )
     parts.append(
         f"The optimizer takes {best.optimizer_seconds * 1e3:.2f} ms. Memory per rank: "
