@@ -249,7 +249,7 @@ def measure(
             batch, threads, _ = shared[len(shared) // 2]
             with _threads(threads):
                 calibration.overheads = measure_overheads(
-                    work, device, batch, seconds, set(wrappers), time_step
+                    work, device, batch, seconds, set(wrappers)
                 )
     finally:
         _stop(helpers)

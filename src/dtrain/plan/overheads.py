@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -64,36 +66,70 @@ BUILDERS: dict[str, Callable[[nn.Module, object], nn.Module]] = {
 }
 
 
+def _one_step(
+    work: Workload, model: nn.Module, optimizer: torch.optim.Optimizer, batch: object
+) -> float:
+    inputs, targets = batch  # type: ignore[misc]
+    began = time.perf_counter()
+    work.loss_fn(model(inputs), targets).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if inputs.device.type == "cuda":
+        torch.cuda.synchronize(inputs.device)  # calibration only, never a training step
+    return time.perf_counter() - began
+
+
+def _paired(
+    work: Workload, plain: nn.Module, wrapped: nn.Module, batch: object, seconds: float
+) -> float:
+    """Median over rounds of (wrapped step - plain step), the two run back to back so a
+    pause of the machine falls on both alike."""
+    from dtrain.tasks import make_optimizer
+
+    opt_plain = make_optimizer(work.optimizer, plain, 1e-12)
+    opt_wrapped = make_optimizer(work.optimizer, wrapped, 1e-12)
+    for _ in range(2):  # warm-up
+        _one_step(work, plain, opt_plain, batch)
+        _one_step(work, wrapped, opt_wrapped, batch)
+    differences: list[float] = []
+    spent = 0.0
+    while len(differences) < 7 or (spent < seconds and len(differences) < 60):
+        a = _one_step(work, plain, opt_plain, batch)
+        b = _one_step(work, wrapped, opt_wrapped, batch)
+        differences.append(b - a)
+        spent += a + b
+    return max(0.0, statistics.median(differences))
+
+
 def measure_overheads(
-    work: Workload,
-    device: torch.device,
-    batch: int,
-    seconds: float,
-    wanted: set[str],
-    time_step: Callable[..., object],
+    work: Workload, device: torch.device, batch: int, seconds: float, wanted: set[str]
 ) -> dict[str, float]:
     """Seconds per step each wrapper in `wanted` adds at `batch` samples (0 where it
-    cannot be applied to this model, or a process group already exists here)."""
+    cannot be applied to this model; nothing where no one-rank group can be made here)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     wanted = wanted & set(WRAPPERS)
     if not wanted or dist.is_initialized():
         return {}
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device
+            if device.type == "cuda" else None,
+        )  # fmt: skip
+    except (RuntimeError, ValueError):  # no group here: the wrappers' cost stays unknown
+        return {}
     out: dict[str, float] = {}
     try:
         mesh = init_device_mesh(device.type, (1,))
-        plain = time_step(work, copy.deepcopy(work.model).to(device), batch, device, seconds)
-        base = plain.forward + plain.backward + plain.optimizer  # type: ignore[attr-defined]
+        data = work.batch(batch, device)
+        plain = copy.deepcopy(work.model).to(device)
         for name in sorted(wanted):
             try:
                 model = BUILDERS[name](copy.deepcopy(work.model).to(device), mesh)
             except Exception:  # the model does not take this wrapper: nothing to add
                 continue
-            step = time_step(work, model, batch, device, seconds)
-            total = step.forward + step.backward + step.optimizer  # type: ignore[attr-defined]
-            out[name] = max(0.0, total - base)
+            out[name] = _paired(work, plain, model, data, seconds)
             del model
     finally:
         gc.collect()  # no DDP or FSDP object may outlive the group (a gloo teardown crash)
