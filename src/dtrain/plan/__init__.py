@@ -1,7 +1,8 @@
 """`dtrain plan`: predict the fastest layout of a job before running it.
 
 - `source`: the model to plan for (bundled, --script, --factory);
-- `calibrate`: the compute probe and the model's bytes, measured on the device;
+- `calibrate`: the compute probe on the device, beside helper ranks (`busy`);
+- `weigh`: the model's bytes, FLOPs and per-layer shares; `overheads`: the wrappers' cost;
 - `links`: seconds per collective by size, measured with `dtrain bench comm`;
 - `machine`: cores, GPUs, memory per device, links between machines;
 - `costs`: the formulas (ring all-reduce, overlap, bubble, ZeRO memory, PS, TP);

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dtrain.errors import ConfigError
-from dtrain.plan import calibrate, links, report
+from dtrain.plan import calibrate, links, report, weigh
 from dtrain.plan.estimate import Estimate, Inputs, estimate, probe_points, wrappers_of
 from dtrain.plan.layouts import Layout, check, enumerate_layouts
 from dtrain.plan.machine import Machine, physical_memory, threads_from_env
@@ -106,7 +106,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         args.probe_seconds,
         wrappers_of(kept),
     )  # fmt: skip
-    tensor = calibrate.tensor_figures(work, batch, device)
+    tensor = weigh.tensor_figures(work, batch, device)
     world = args.nproc * args.nnodes
     if args.link_gbps is not None:
         link = links.given(args.nproc, args.link_gbps, args.link_latency_us)

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dtrain.plan import costs
-from dtrain.plan.calibrate import Calibration, StepTime, TensorFigures
+from dtrain.plan.calibrate import Calibration, StepTime
 from dtrain.plan.layouts import Layout
 from dtrain.plan.links import Links
 from dtrain.plan.machine import Machine
+from dtrain.plan.weigh import TensorFigures
 
 
 @dataclass
