@@ -1,4 +1,4 @@
-"""The `dtrain` command: run, demo, bench, ckpt.
+"""The `dtrain` command: run, demo, bench, plan, ckpt.
 
 Parsing, `--help` and every flag or Config error need no torch: this module imports only
 light modules at the top, and the launcher, the demo's checks and the checkpoint tools
@@ -19,6 +19,7 @@ from dtrain.demo_flags import add_training_args
 from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.flags import add_topology_args, config_from
 from dtrain.launch.quiet import import_quietly
+from dtrain.plan.flags import add_args as add_plan_args
 
 DEMO_MODULE = "dtrain.demo"
 COMM_MODULE = "dtrain.bench.comm"
@@ -76,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_topology_args(comm)
     add_comm_args(comm)
 
+    plan = sub.add_parser(
+        "plan",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="Predict the fastest layout for a model before running it.",
+        description="Calibrate on this machine (a short compute probe of the model and a "
+        "link probe over --nproc processes), predict each layout's step time and memory "
+        "per rank from documented formulas, and list the layouts that fit, best first.",
+    )
+    add_plan_args(plan)
+
     ckpt = sub.add_parser("ckpt", help="Inspect, verify or convert checkpoints.")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (
@@ -127,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_with_config(build_parser(), argv)
         if args.command == "ckpt":
             return _ckpt(args)
+        if args.command == "plan":
+            from dtrain.plan.command import main as plan_main
+
+            return plan_main(args)
         config = config_from(args)
         if args.command == "bench":
             return _bench(config, argv)

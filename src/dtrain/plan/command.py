@@ -1,0 +1,214 @@
+"""`dtrain plan`: calibrate, list the layouts, predict each, rank them, explain the first.
+
+Called by `dtrain.cli` after the command line is parsed; everything here may import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from dtrain.errors import ConfigError
+from dtrain.plan import calibrate, links, report, weigh
+from dtrain.plan.estimate import Estimate, Inputs, estimate, probe_points, wrappers_of
+from dtrain.plan.layouts import Layout, check, enumerate_layouts
+from dtrain.plan.machine import Machine, physical_memory, threads_from_env
+from dtrain.plan.source import Source, Workload, load_source
+
+
+def source_of(args: argparse.Namespace) -> Source:
+    """The workload the flags name."""
+    return Source(args.model, args.model_size, args.script, args.factory, args.optimizer)
+
+
+def global_batch(args: argparse.Namespace, work: Workload) -> int:
+    """The global batch: --global-batch-size, or the bundled model's default."""
+    if args.global_batch_size is None:
+        if not work.bundled:
+            raise ConfigError(
+                "--global-batch-size is needed with --script or --factory: the plan splits "
+                "that batch over the devices."
+            )
+        from dtrain.tasks import TASKS
+
+        return TASKS[args.model or "cnn"].global_batch_size
+    return int(args.global_batch_size)
+
+
+def check_job(args: argparse.Namespace, batch: int) -> None:
+    """Refuse a process count, machine count or batch that no layout can use."""
+    if args.nproc < 1 or args.nnodes < 1:
+        raise ConfigError(
+            f"--nproc and --nnodes must be at least 1, got {args.nproc} and {args.nnodes}."
+        )
+    world = args.nproc * args.nnodes
+    if batch < 1 or batch % world:
+        raise ConfigError(
+            f"--global-batch-size {batch} does not divide evenly over the {world} processes "
+            f"of --nproc {args.nproc} x --nnodes {args.nnodes}; use a multiple of {world}, "
+            f"e.g. {max(1, (batch // world + 1)) * world}."
+        )
+    if args.probe_seconds <= 0:
+        raise ConfigError(f"--probe-seconds must be positive, got {args.probe_seconds}.")
+    if args.memory_per_device is not None and args.memory_per_device <= 0:
+        raise ConfigError(f"--memory-per-device must be positive, got {args.memory_per_device}.")
+    if (args.link_gbps is None) != (args.link_latency_us is None):
+        raise ConfigError(
+            "--link-gbps and --link-latency-us go together (a bandwidth and a latency); give "
+            "both, or neither to measure the links."
+        )
+
+
+def machine_of(args: argparse.Namespace) -> Machine:
+    """The hardware: this machine's cores and GPUs, the memory per device."""
+    gpus = 0 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
+    memory = args.memory_per_device
+    if memory is None:
+        memory = torch.cuda.get_device_properties(0).total_memory if gpus else physical_memory()
+    return Machine(
+        cores=os.cpu_count() or 1,
+        gpus=gpus,
+        single_threads=torch.get_num_threads(),
+        memory_per_device=int(memory),
+        inter_node=(args.inter_node_gbps * 1e9, args.inter_node_latency_us * 1e-6),
+        threads_per_process=threads_from_env(),
+    )
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole plan as the JSON object `--json` prints."""
+    source = source_of(args)
+    work = load_source(source)
+    batch = global_batch(args, work)
+    check_job(args, batch)
+    machine = machine_of(args)
+    kept: list[Layout] = []
+    left_out: list[dict[str, str]] = []
+    for layout in enumerate_layouts(args.nproc, args.nnodes, machine.gpus):
+        reason = check(layout, batch, work.model)
+        if reason is None:
+            kept.append(layout)
+        else:
+            left_out.append({"flags": layout.flags(), "reason": reason})
+    device = torch.device("cuda", 0) if machine.gpus else torch.device("cpu")
+    contenders = args.nproc - 1 if not machine.gpus else 0
+    cal = calibrate.measure(
+        work,
+        probe_points(kept, batch, machine),
+        device,
+        source,
+        contenders,
+        args.probe_seconds,
+        wrappers_of(kept),
+    )  # fmt: skip
+    tensor = weigh.tensor_figures(work, batch, device)
+    world = args.nproc * args.nnodes
+    if args.link_gbps is not None:
+        link = links.given(args.nproc, args.link_gbps, args.link_latency_us)
+    elif world > 1:
+        link = links.probe(
+            args.nproc if args.nnodes == 1 else max(2, args.nproc), machine.gpus == 0
+        )
+    else:
+        link = links.given(1, 1.0, 0.0)
+    inputs = Inputs(cal, link, machine, batch, tensor)
+    estimates: list[Estimate] = []
+    for layout in kept:
+        e = estimate(inputs, layout)
+        if e.fits:
+            estimates.append(e)
+        else:
+            left_out.append(
+                {
+                    "flags": layout.flags(),
+                    "reason": f"needs {e.memory_bytes_per_rank / report.MIB:,.1f} MiB per rank, "
+                    f"more than the {machine.memory_per_device / report.MIB:,.1f} MiB per "
+                    "device (--memory-per-device).",
+                }
+            )
+    if not estimates:
+        raise ConfigError(
+            f"No layout of {work.name} fits {machine.memory_per_device:,} bytes per device "
+            f"with --nproc {args.nproc} x --nnodes {args.nnodes}; add devices, lower "
+            "--global-batch-size, or raise --memory-per-device if the devices hold more."
+        )
+    estimates.sort(key=lambda e: -e.samples_per_second)
+    if args.top:
+        estimates = estimates[: args.top]
+    prefix = None
+    if work.bundled:
+        size = f" --model-size {args.model_size}" if args.model_size else ""
+        prefix = (
+            f"dtrain demo --model {args.model or 'cnn'}{size} --optimizer {work.optimizer} "
+            f"--global-batch-size {batch}"
+        )
+    return {
+        "model": work.name,
+        "global_batch_size": batch,
+        "candidates": [report.candidate(e, prefix) for e in estimates],
+        "left_out": left_out,
+        "explanation": report.explain(estimates, machine.memory_per_device),
+        "calibration": _calibration_summary(cal, link, machine),
+        "_estimates": estimates,
+    }
+
+
+def _calibration_summary(
+    cal: calibrate.Calibration, link: links.Links, machine: Machine
+) -> dict[str, Any]:
+    f = cal.figures
+    steps = [
+        {
+            "batch": b,
+            "threads": t,
+            "beside_other_ranks": c,
+            **{k: v for k, v in asdict(s).items() if k != "totals"},
+            "mean_step": sum(s.totals) / max(len(s.totals), 1),
+        }
+        for (b, t, c), s in sorted(cal.steps.items())
+    ]
+    return {
+        "device": cal.device,
+        "cores": machine.cores,
+        "gpus": machine.gpus,
+        "parameters": f.params,
+        "parameter_bytes": f.param_bytes,
+        "optimizer_bytes": f.optimizer_bytes,
+        "activation_bytes_per_sample": f.activation_bytes_per_sample,
+        "flops_per_sample": f.flops_per_sample,
+        "steps": steps,
+        "wrapper_overhead_seconds": cal.overheads,
+        "link": link.source,
+        "all_reduce_latency_seconds": link.latency_seconds,
+        "all_reduce_bus_bandwidth": link.bus_bandwidth if link.ranks > 1 else None,
+        "probe_seconds": cal.probe_seconds,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `dtrain plan` and print its answer; returns the exit code."""
+    result = plan(args)
+    estimates = result.pop("_estimates")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    cal = result["calibration"]
+    print(
+        f"dtrain plan: {result['model']}, global batch {result['global_batch_size']}, "
+        f"{args.nproc} process(es) x {args.nnodes} machine(s) on {cal['device']}; "
+        f"{cal['parameters']:,} parameters; calibrated in {cal['probe_seconds']:.1f} s "
+        f"(links {cal['link']})."
+    )
+    print(report.table(estimates))
+    print()
+    print(result["explanation"])
+    if result["left_out"]:
+        print(f"\nLeft out ({len(result['left_out'])}; --json lists why):")
+        for row in result["left_out"][:8]:
+            print(f"  {row['flags']}: {row['reason'].splitlines()[0][:160]}")
+    return 0

@@ -1,0 +1,165 @@
+"""The cost model's formulas: pure functions of sizes, rates and link figures.
+
+Every function here is a documented formula, free of measurement and of torch, so it can
+be checked by hand (tests/test_plan.py does). Times are seconds, sizes bytes, bandwidths
+bytes per second. The planner feeds them the calibrated figures (`dtrain.plan.calibrate`,
+`dtrain.plan.links`); docs/plan.md lists them with their sources.
+"""
+
+from __future__ import annotations
+
+import math
+
+DDP_FIRST_BUCKET = 2**20
+"""DDP's first gradient bucket (1 MiB; Li et al., VLDB 2020): ready soonest, sent first."""
+DDP_BUCKET = 25 * 2**20
+"""DDP's other gradient buckets (25 MiB)."""
+
+
+def ring_allreduce_bytes(size: float, n: int) -> float:
+    """Bytes each of `n` ranks sends (and receives) in a ring all-reduce of `size` bytes:
+    2(n-1)/n x S (a reduce-scatter then an all-gather; bandwidth-optimal)."""
+    return 2 * (n - 1) / n * size if n > 1 else 0.0
+
+
+def ring_allreduce_seconds(size: float, n: int, bus_bandwidth: float, latency: float) -> float:
+    """A ring all-reduce of `size` bytes over `n` ranks: 2(n-1)/n x S / B + latency, with
+    B the bus bandwidth (the nccl-tests definition, so that 2(n-1)/n S / B is the time)."""
+    if n <= 1:
+        return 0.0
+    return latency + ring_allreduce_bytes(size, n) / bus_bandwidth
+
+
+def ddp_buckets(size: float) -> list[float]:
+    """Sizes of DDP's gradient buckets for `size` bytes of gradients, in the order they are
+    reduced: the first 1 MiB, then 25 MiB each (the last one smaller)."""
+    if size <= 0:
+        return []
+    first = min(size, DDP_FIRST_BUCKET)
+    rest = size - first
+    full = int(rest // DDP_BUCKET)
+    tail = rest - full * DDP_BUCKET
+    return [first] + [DDP_BUCKET] * full + ([tail] if tail > 0 else [])
+
+
+def exposed_after_overlap(bucket_seconds: list[float], backward_seconds: float) -> float:
+    """Communication that backward does not hide, for buckets reduced while backward runs.
+
+    Assumption (DDP's design): gradients become ready evenly over backward, in bucket
+    order; a bucket's all-reduce starts when its last gradient is ready and the previous
+    bucket's is done; all-reduces overlap compute fully. So bucket i (holding the fraction
+    f_i of the gradients) is ready at backward x (f_1 + ... + f_i); the last one is ready
+    when backward ends and is never hidden. Returns how long after backward ends the last
+    all-reduce finishes.
+    """
+    if not bucket_seconds:
+        return 0.0
+    total = len(bucket_seconds)
+    clock = 0.0
+    for i, seconds in enumerate(bucket_seconds, start=1):
+        ready = backward_seconds * i / total
+        clock = max(clock, ready) + seconds
+    return max(0.0, clock - backward_seconds)
+
+
+def pipeline_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Fraction of a pipeline step each stage idles (GPipe; Huang et al. 2019):
+    (p-1)/(m+p-1); interleaved 1F1B with v stages per rank (Narayanan et al. 2021):
+    (p-1)/(v m + p-1)."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def pipeline_slots(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Per-rank time slots of a pipeline step, in units of one micro-batch's forward and
+    backward on one rank: m for the work plus (p-1)/v for the fill and drain."""
+    return microbatches + (stages - 1) / virtual
+
+
+def micro_batches_held(schedule: str, stages: int, microbatches: int, stage: int) -> int:
+    """Micro-batches whose activations stage `stage` (from 0) holds at its peak: all m
+    under GPipe; under 1F1B (and interleaved) at most p - stage, the micro-batches still
+    in flight below it."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, stages - stage)
+
+
+def zero_model_states(
+    params: float, grads: float, optim: float, n: int, stage: int, ddp_buckets: bool = True
+) -> float:
+    """Model-state bytes per rank under ZeRO `stage` (0 = plain data parallel) over `n`
+    ranks, from the actual byte counts (Rajbhandari et al. SC'20, table 1, with fp32
+    weights: 4 psi parameters, 4 psi gradients, the optimizer's own state):
+
+    - 0 (ddp): P + G + O, plus G again for DDP's gradient buckets at the peak of backward;
+    - 1: P + G + O/n (+ the buckets);
+    - 2: P + (G + O)/n at the peak (parameters held gathered from forward to backward);
+    - 3: (P + G + O)/n.
+    """
+    bucket = grads if ddp_buckets and stage <= 1 else 0.0
+    if stage == 0:
+        return params + grads + optim + bucket
+    if stage == 1:
+        return params + grads + optim / n + bucket
+    if stage == 2:
+        return params + (grads + optim) / n
+    return (params + grads + optim) / n
+
+
+def zero_traffic_factor(stage: int) -> float:
+    """Bytes each rank moves per step, in units of plain data parallel's all-reduce
+    2(n-1)/n x S: 1 for stages 0-2 (reduce-scatter + all-gather), 1.5 for stage 3 (the
+    parameters are gathered twice, in forward and in backward)."""
+    return 1.5 if stage == 3 else 1.0
+
+
+def ps_step_seconds(model_bytes: float, workers: int, servers: int, bandwidth: float) -> float:
+    """A parameter-server step's communication (BytePS, Jiang et al. OSDI'20):
+    max(M/B, nM/(kB)): each worker pushes and pulls M; the servers together receive and
+    send nM, each k-th of it through its own link."""
+    return max(model_bytes / bandwidth, workers * model_bytes / (servers * bandwidth))
+
+
+def tensor_allreduces(pairs: int) -> int:
+    """All-reduces of activations per step for `pairs` column-then-row split layer pairs
+    (Megatron, Shoeybi et al. 2019): one in forward (after the row-split layer) and one in
+    backward (the column-split layer's input gradient) per pair."""
+    return 2 * pairs
+
+
+def towers_replication_bytes(params: float, copies: int) -> float:
+    """Bytes copied per step by single-process towers with `copies` replicas that are
+    copies (a tower on the parameter device uses the variables themselves): the variables
+    to each copy before forward, and each copy's gradients back after backward."""
+    return 2 * copies * params
+
+
+def hierarchical_seconds(
+    size: float,
+    per_node: int,
+    nodes: int,
+    intra: tuple[float, float],
+    inter: tuple[float, float],
+) -> float:
+    """ddp --hierarchical: reduce inside each machine to its leader, all-reduce across the
+    leaders, broadcast inside: 2 S / B_in + 2(h-1)/h x S / B_out, plus each step's latency.
+    `intra` and `inter` are (bandwidth, latency) of the links inside and between machines."""
+    inside = 0.0
+    if per_node > 1:
+        inside = 2 * (intra[1] + size / intra[0])
+    return inside + ring_allreduce_seconds(size, nodes, inter[0], inter[1] * 2 * (nodes - 1))
+
+
+def flat_multinode_seconds(
+    size: float, per_node: int, nodes: int, inter: tuple[float, float]
+) -> float:
+    """A flat ring all-reduce over every rank of `nodes` machines: the ring crosses the
+    links between machines, so it runs at their speed; each of its 2(W-1) steps pays their
+    latency (W = per_node x nodes ranks)."""
+    world = per_node * nodes
+    return ring_allreduce_seconds(size, world, inter[0], inter[1] * 2 * (world - 1))
+
+
+def samples_per_second(global_batch: int, step_seconds: float) -> float:
+    """Throughput of a step of `global_batch` samples."""
+    return global_batch / step_seconds if step_seconds > 0 else math.inf

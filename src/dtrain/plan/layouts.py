@@ -1,0 +1,184 @@
+"""The candidate layouts for N processes on K machines, and the flags that run each one.
+
+Candidates: single; towers (one process, N replicas); ddp; zero1/2/3; ps with K servers;
+pipeline over every stage count the world allows, under gpipe, 1f1b and interleaved
+(where the layers and micro-batches allow) with a few micro-batch counts; tensor; hybrid
+(every dp x pp x tp with at least two of them above 1); hierarchical ddp and hsdp across
+machines. A layout is kept only if dtrain itself would run it: its flags make a valid
+Config, the strategy's own launch checks pass, the global batch divides, and the model
+can be split that way (pipeline_layers(), tensor_parallel_plan(degree)). The reason
+for leaving each other one out is kept for the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+
+MASTER_PLACEHOLDER = "NODE0:29500"
+"""--master in the flags of multi-machine layouts: node 0's address and a free port go here."""
+SCHEDULE_MICROBATCHES = (1, 2, 4)
+"""Micro-batch counts tried, in multiples of the stage count."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job."""
+
+    strategy: str
+    nproc: int = 1
+    nnodes: int = 1
+    towers: int = 0
+    servers: int = 0
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    microbatches: int = 1
+    schedule: str = ""
+    virtual: int = 1
+    hierarchical: bool = False
+    shard_size: int = 0
+
+    @property
+    def world(self) -> int:
+        """Training processes in all (parameter servers not counted)."""
+        return self.nproc * self.nnodes
+
+    @property
+    def processes_per_node(self) -> int:
+        """Processes on each machine, servers included (they share its cores)."""
+        return self.nproc + self.servers
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that each read a different share of the global batch."""
+        if self.strategy in ("single", "towers"):
+            return 1
+        if self.strategy in ("pipeline", "tensor", "hybrid"):
+            return self.dp
+        return self.world
+
+    def flags(self) -> str:
+        """The TOPOLOGY flags of `dtrain run` / `dtrain demo` that run this layout."""
+        out = [f"--strategy {self.strategy}"]
+        if self.strategy == "towers":
+            out.append(f"--towers {self.towers}")
+        if self.strategy not in ("single", "towers"):
+            out.append(f"--nproc {self.nproc}")
+        if self.nnodes > 1:
+            out.append(f"--nnodes {self.nnodes} --master {MASTER_PLACEHOLDER}")
+        if self.hierarchical:
+            out.append("--hierarchical")
+        if self.shard_size:
+            out.append(f"--shard-size {self.shard_size}")
+        if self.servers:
+            out.append(f"--servers {self.servers}")
+        if self.strategy == "hybrid":
+            out.append(f"--dp {self.dp} --pp {self.pp} --tp {self.tp}")
+        elif self.strategy == "pipeline":
+            out.append(f"--pp {self.pp}")
+        elif self.strategy == "tensor":
+            out.append(f"--tp {self.tp}")
+        if self.pp > 1:
+            out.append(f"--microbatches {self.microbatches} --schedule {self.schedule}")
+            if self.schedule == "interleaved":
+                out.append(f"--virtual-stages {self.virtual}")
+        return " ".join(out)
+
+    def config(self) -> Config:
+        """The Config these flags give (a ConfigError if dtrain refuses them)."""
+        options: dict[str, object] = {"strategy": self.strategy, "nproc": self.nproc}
+        if self.strategy in ("single", "towers"):
+            options["nproc"] = 1
+        if self.strategy == "towers":
+            options["towers"] = self.towers
+        if self.nnodes > 1:
+            options |= {"nnodes": self.nnodes, "master": MASTER_PLACEHOLDER}
+        options |= {"hierarchical": self.hierarchical, "servers": self.servers or 1}
+        if self.shard_size:
+            options["shard_size"] = self.shard_size
+        if self.strategy == "hybrid":
+            options |= {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        elif self.strategy == "pipeline":
+            options["pp"] = self.pp
+        elif self.strategy == "tensor":
+            options["tp"] = self.tp
+        if self.pp > 1:
+            options |= {"microbatches": self.microbatches, "schedule": self.schedule}
+            if self.schedule == "interleaved":
+                options["virtual_stages"] = self.virtual
+        return Config(**options)  # type: ignore[arg-type]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pipelines(strategy: str, nproc: int, nnodes: int, dp: int, pp: int, tp: int) -> list[Layout]:
+    out = []
+    base = {"strategy": strategy, "nproc": nproc, "nnodes": nnodes, "dp": dp, "pp": pp, "tp": tp}
+    for factor in SCHEDULE_MICROBATCHES:
+        m = factor * pp
+        out.append(Layout(**base, microbatches=m, schedule="gpipe"))  # type: ignore[arg-type]
+        out.append(Layout(**base, microbatches=m, schedule="1f1b"))  # type: ignore[arg-type]
+        out.append(Layout(**base, microbatches=m, schedule="interleaved", virtual=2))  # type: ignore[arg-type]
+    return out
+
+
+def enumerate_layouts(nproc: int, nnodes: int, gpus: int) -> list[Layout]:
+    """Every layout worth considering for `nproc` processes per machine on `nnodes`
+    machines (`gpus`: GPUs visible here, 0 on the CPU), before any check."""
+    world = nproc * nnodes
+    out = [Layout("single")]
+    if nnodes == 1 and nproc > 1 and (gpus == 0 or gpus >= nproc):
+        out.append(Layout("towers", towers=nproc))
+    if world == 1:
+        return out
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        out.append(Layout(name, nproc=nproc, nnodes=nnodes))
+    if nnodes > 1:
+        out.append(Layout("ddp", nproc=nproc, nnodes=nnodes, hierarchical=True))
+        if nproc > 1:
+            out.append(Layout("hsdp", nproc=nproc, nnodes=nnodes, shard_size=nproc))
+    else:
+        for servers in sorted({1, max(1, nproc // 2), nproc}):
+            out.append(Layout("ps", nproc=nproc, servers=servers))
+    out += _pipelines("pipeline", nproc, nnodes, 1, world, 1)
+    out.append(Layout("tensor", nproc=nproc, nnodes=nnodes, tp=world))
+    for dp in _divisors(world):
+        for pp in _divisors(world // dp):
+            tp = world // (dp * pp)
+            if sum(d > 1 for d in (dp, pp, tp)) < 2:
+                continue
+            if pp > 1:
+                out += [
+                    p for p in _pipelines("hybrid", nproc, nnodes, dp, pp, tp)
+                    if p.schedule == "1f1b" and p.microbatches == max(4, pp)
+                ]  # fmt: skip
+            else:
+                out.append(Layout("hybrid", nproc=nproc, nnodes=nnodes, dp=dp, tp=tp))
+    return out
+
+
+def check(layout: Layout, global_batch: int, model: object) -> str | None:
+    """Why dtrain would refuse `layout` for this batch and model, or None if it runs."""
+    from dtrain.demo import check_batch
+    from dtrain.parallel.split import layers_of, split_layers
+    from dtrain.parallel.tensor_plan import plan_of
+    from dtrain.strategies import lookup
+
+    try:
+        config = layout.config()
+        strategy = lookup(config.strategy)
+        strategy.check_launch(config)
+        dp, splits = strategy.batch_layout(config)
+        check_batch(global_batch, dp, splits, 1)
+        if layout.pp > 1:
+            split_layers(layers_of(model), layout.pp * layout.virtual, None)  # type: ignore[arg-type]
+        if layout.tp > 1:
+            plan_of(model, layout.tp)  # type: ignore[arg-type]
+    except ConfigError as e:
+        return str(e)
+    return None

@@ -1,0 +1,137 @@
+"""What the torch wrappers cost per step by themselves, measured on a one-rank group.
+
+DDP's hooks and buckets, FSDP2's unit-by-unit gather and scatter bookkeeping, DTensor's
+dispatch for tensor parallelism: their Python and copy work per step is not in the plain
+model's step, and on small models it is most of the step. Each is timed here as the
+wrapped model's step on a group of one rank (gloo, or NCCL on a GPU) less the plain
+model's, at the same batch and threads: the collectives of one rank move nothing, so what
+remains is the wrapper's own work. The cost model adds the link's time for the bytes on
+top (`dtrain.plan.links`).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.plan.source import Workload
+
+WRAPPERS = ("ddp", "zero2", "zero3", "tensor")
+"""The wrappers timed: DDP; FSDP2 keeping (zero2) or freeing (zero3) gathered parameters
+after forward; the model's tensor-parallel plan (DTensor)."""
+
+
+def _ddp(model: nn.Module, mesh: object) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def _fsdp(reshard: bool) -> Callable[[nn.Module, object], nn.Module]:
+    def wrap(model: nn.Module, mesh: object) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        from dtrain.strategies.blocks import find_blocks
+
+        for block in find_blocks(model):
+            if any(p.requires_grad for p in block.parameters()):
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        return model
+
+    return wrap
+
+
+def _tensor(model: nn.Module, mesh: object) -> nn.Module:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from dtrain.parallel.tensor_plan import plan_of
+
+    parallelize_module(model, mesh, plan_of(model, 1))
+    return model
+
+
+BUILDERS: dict[str, Callable[[nn.Module, object], nn.Module]] = {
+    "ddp": _ddp,
+    "zero2": _fsdp(False),
+    "zero3": _fsdp(True),
+    "tensor": _tensor,
+}
+
+
+def _one_step(
+    work: Workload, model: nn.Module, optimizer: torch.optim.Optimizer, batch: object
+) -> float:
+    inputs, targets = batch  # type: ignore[misc]
+    began = time.perf_counter()
+    work.loss_fn(model(inputs), targets).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if inputs.device.type == "cuda":
+        torch.cuda.synchronize(inputs.device)  # calibration only, never a training step
+    return time.perf_counter() - began
+
+
+def _paired(
+    work: Workload, plain: nn.Module, wrapped: nn.Module, batch: object, seconds: float
+) -> float:
+    """Median over rounds of (wrapped step - plain step), the two run back to back so a
+    pause of the machine falls on both alike."""
+    from dtrain.tasks import make_optimizer
+
+    opt_plain = make_optimizer(work.optimizer, plain, 1e-12)
+    opt_wrapped = make_optimizer(work.optimizer, wrapped, 1e-12)
+    for _ in range(2):  # warm-up
+        _one_step(work, plain, opt_plain, batch)
+        _one_step(work, wrapped, opt_wrapped, batch)
+    differences: list[float] = []
+    spent = 0.0
+    while len(differences) < 7 or (spent < seconds and len(differences) < 60):
+        a = _one_step(work, plain, opt_plain, batch)
+        b = _one_step(work, wrapped, opt_wrapped, batch)
+        differences.append(b - a)
+        spent += a + b
+    return max(0.0, statistics.median(differences))
+
+
+def measure_overheads(
+    work: Workload, device: torch.device, batch: int, seconds: float, wanted: set[str]
+) -> dict[str, float]:
+    """Seconds per step each wrapper in `wanted` adds at `batch` samples (0 where it
+    cannot be applied to this model; nothing where no one-rank group can be made here)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    wanted = wanted & set(WRAPPERS)
+    if not wanted or dist.is_initialized():
+        return {}
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device
+            if device.type == "cuda" else None,
+        )  # fmt: skip
+    except (RuntimeError, ValueError):  # no group here: the wrappers' cost stays unknown
+        return {}
+    out: dict[str, float] = {}
+    try:
+        mesh = init_device_mesh(device.type, (1,))
+        data = work.batch(batch, device)
+        plain = copy.deepcopy(work.model).to(device)
+        for name in sorted(wanted):
+            try:
+                model = BUILDERS[name](copy.deepcopy(work.model).to(device), mesh)
+            except Exception:  # the model does not take this wrapper: nothing to add
+                continue
+            out[name] = _paired(work, plain, model, data, seconds)
+            del model
+    finally:
+        gc.collect()  # no DDP or FSDP object may outlive the group (a gloo teardown crash)
+        dist.destroy_process_group()
+    return out

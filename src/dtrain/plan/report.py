@@ -1,0 +1,114 @@
+"""What `dtrain plan` prints: the candidates as JSON or as a table, and the first pick
+explained in the seeds' terms (t1 compute against t2 communication, the per-device
+batch, the bubble, memory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtrain.plan.estimate import Estimate
+
+MIB = 2**20
+
+
+def candidate(e: Estimate, command_prefix: str | None) -> dict[str, Any]:
+    """One candidate as the JSON contract gives it, with the terms behind it."""
+    flags = e.layout.flags()
+    out: dict[str, Any] = {
+        "strategy": e.layout.strategy,
+        "flags": flags,
+        "samples_per_second": e.samples_per_second,
+        "step_seconds": e.step_seconds,
+        "memory_bytes_per_rank": int(e.memory_bytes_per_rank),
+        "data_seconds": e.data_seconds,
+        "compute_seconds": e.compute_seconds,
+        "communication_seconds": e.communication_seconds,
+        "optimizer_seconds": e.optimizer_seconds,
+        "idle_seconds": e.idle_seconds,
+        "wait_seconds": e.wait_seconds,
+        "overhead_seconds": e.overhead_seconds,
+        "per_device_batch": e.per_device_batch,
+        "model_state_bytes": int(e.model_state_bytes),
+        "activation_bytes": int(e.activation_bytes),
+        "fits": e.fits,
+    }
+    if e.layout.pp > 1:
+        out["bubble"] = e.bubble
+    if command_prefix:
+        out["command"] = f"{command_prefix} {flags}"
+    return out
+
+
+def table(ranked: list[Estimate]) -> str:
+    """The candidates, best first, one line each."""
+    head = (
+        f"{'#':>3}  {'samples/s':>10} {'step ms':>9} {'t1 ms':>8} {'t2 ms':>8} "
+        f"{'wait ms':>8} {'MiB/rank':>9}  flags"
+    )
+    lines = [head]
+    for i, e in enumerate(ranked, 1):
+        lines.append(
+            f"{i:>3}  {e.samples_per_second:>10,.1f} {e.step_seconds * 1e3:>9.2f} "
+            f"{e.compute_seconds * 1e3:>8.2f} {e.communication_seconds * 1e3:>8.2f} "
+            f"{e.wait_seconds * 1e3:>8.2f} {e.memory_bytes_per_rank / MIB:>9.1f}  "
+            f"{e.layout.flags()}"
+        )
+    return "\n".join(lines)
+
+
+def explain(ranked: list[Estimate], memory_per_device: float) -> str:
+    """One paragraph on why the first candidate comes first."""
+    best = ranked[0]
+    lay = best.layout
+    t1, t2 = best.compute_seconds, best.communication_seconds
+    parts = [
+        f"First pick: {lay.flags()}, predicted {best.samples_per_second:,.1f} "
+        f"samples/s (a step of {best.step_seconds * 1e3:.2f} ms)."
+    ]
+    batch = f"{best.per_device_batch:g}"
+    if lay.pp > 1:
+        parts.append(
+            f"Each stage computes micro-batches of {batch} samples; t1 = {t1 * 1e3:.2f} ms of "
+            f"forward and backward on the busiest stage, and the pipeline idles "
+            f"{best.bubble:.0%} of the step filling and draining "
+            f"({best.idle_seconds * 1e3:.2f} ms)."
+        )
+    else:
+        parts.append(
+            f"Each device computes {batch} samples per step: t1 = {t1 * 1e3:.2f} ms of forward "
+            "and backward."
+        )
+    if lay.world > 1 or lay.strategy == "towers":
+        if t2 <= 0.1 * t1:
+            verdict = "so the devices stay busy (t1 >> t2)"
+        elif t2 < t1:
+            verdict = f"t1 is {t1 / t2:.1f} x t2, so the devices mostly compute"
+        else:
+            verdict = "so the devices mostly wait: communication bounds this layout"
+        parts.append(f"Communication not hidden by compute: t2 = {t2 * 1e3:.2f} ms, {verdict}.")
+    else:
+        parts.append(
+            "One device, so there is no communication (t2 = 0): every other layout splits "
+            "the batch or the model and pays more in communication and smaller batches "
+            "than it gains."
+        )
+    if best.wait_seconds > 0.05 * best.step_seconds:
+        parts.append(
+            f"Jitter costs {best.wait_seconds * 1e3:.2f} ms a step: the probe's step times "
+            "vary (other jobs on the machine), and a step in lockstep waits for its slowest "
+            "rank."
+        )
+    parts.append(
+        f"The optimizer takes {best.optimizer_seconds * 1e3:.2f} ms. Memory per rank: "
+        f"{best.memory_bytes_per_rank / MIB:,.1f} MiB (model states "
+        f"{best.model_state_bytes / MIB:,.1f} MiB + activations "
+        f"{best.activation_bytes / MIB:,.1f} MiB) of {memory_per_device / MIB:,.0f} MiB."
+    )
+    if len(ranked) > 1:
+        runner = ranked[1]
+        gap = best.samples_per_second / runner.samples_per_second - 1
+        parts.append(
+            f"The next best, {runner.layout.flags()}, is predicted {gap:.0%} slower"
+            + (" (within the model's error: try both)." if gap < 0.1 else ".")
+        )
+    return " ".join(parts)

@@ -1,0 +1,223 @@
+"""`dtrain plan`: the cost model's formulas by hand, runnable flags for every candidate,
+layouts that cannot fit left out, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.cli import build_parser, main
+from dtrain.flags import config_from
+from dtrain.plan import costs
+from dtrain.plan.layouts import Layout, enumerate_layouts
+from dtrain.plan.links import Links, given
+
+MIB = 2**20
+
+
+def test_formulas_match_hand_computations() -> None:
+    # Ring all-reduce: 2(n-1)/n x S bytes; 2 x 3/4 x 100 = 150.
+    assert costs.ring_allreduce_bytes(100, 4) == 150
+    assert costs.ring_allreduce_bytes(100, 1) == 0
+    # 1 MB over 2 ranks at 1 GB/s bus bandwidth: 1 ms + 0.1 ms latency.
+    assert math.isclose(costs.ring_allreduce_seconds(1e6, 2, 1e9, 1e-4), 1.1e-3)
+    # DDP's buckets: the first MiB, then 25 MiB each.
+    assert costs.ddp_buckets(30 * MIB) == [MIB, 25 * MIB, 4 * MIB]
+    assert costs.ddp_buckets(0.5 * MIB) == [0.5 * MIB]
+    # Two buckets of 1 s during a 4 s backward: ready at 2 s (done 3 s) and at 4 s (done
+    # 5 s): 1 s shows. Buckets of 3 s: the second waits for the first (done 5 s), ends 8 s.
+    assert costs.exposed_after_overlap([1.0, 1.0], 4.0) == 1.0
+    assert costs.exposed_after_overlap([3.0, 3.0], 4.0) == 4.0
+    assert costs.exposed_after_overlap([], 4.0) == 0.0
+    # Bubble (p-1)/(m+p-1); interleaved (p-1)/(vm+p-1).
+    assert costs.pipeline_bubble(2, 4) == 1 / 5
+    assert costs.pipeline_bubble(4, 8, 2) == 3 / 19
+    assert costs.pipeline_slots(4, 8, 2) == 9.5
+    assert costs.micro_batches_held("gpipe", 4, 8, 0) == 8
+    assert costs.micro_batches_held("1f1b", 4, 8, 1) == 3
+    # ZeRO with P = 4, G = 4, O = 8 bytes over 4 ranks: ddp 16 + 4 of buckets, stage 1
+    # 4 + 4 + 2 + 4, stage 2 4 + 12/4, stage 3 16/4.
+    assert [costs.zero_model_states(4, 4, 8, 4, s) for s in range(4)] == [20, 14, 7, 4]
+    assert costs.zero_traffic_factor(3) == 1.5
+    # PS: max(M/B, nM/(kB)): 4 workers, 2 servers, 100 bytes at 10 B/s -> 20 s.
+    assert costs.ps_step_seconds(100, 4, 2, 10) == 20
+    assert costs.ps_step_seconds(100, 2, 4, 10) == 10
+    assert costs.tensor_allreduces(3) == 6
+    assert costs.towers_replication_bytes(10, 4) == 80
+    # Across 2 machines of 2: hierarchical = 2 (lat_in + S/B_in) + (S/B_out + 2 lat_out);
+    # flat = 2(W-1)/W S / B_out + 2(W-1) lat_out.
+    intra, inter = (1e9, 1e-5), (1e8, 1e-4)
+    assert math.isclose(
+        costs.hierarchical_seconds(1e6, 2, 2, intra, inter), 2 * (1e-5 + 1e-3) + 1e-2 + 2e-4
+    )
+    assert math.isclose(costs.flat_multinode_seconds(1e6, 2, 2, inter), 1.5e-2 + 6e-4)
+
+
+def test_links_interpolate_the_measured_table() -> None:
+    links = Links(2, {"all_reduce": [(1000, 1e-4), (100_000, 1e-2)]})
+    assert links.seconds("all_reduce", 10) == 1e-4  # latency floor
+    assert math.isclose(links.seconds("all_reduce", 10_000), 1e-3)  # log-linear midpoint
+    assert math.isclose(links.seconds("all_reduce", 200_000), 2e-2)  # bandwidth bound
+    assert links.seconds("all_reduce", 10_000, ranks=1) == 0.0
+    fixed = given(4, 2.0, 10.0)
+    assert math.isclose(fixed.seconds("all_reduce", 2e9), 1e-5 + 1.5)
+    assert math.isclose(fixed.seconds("all_gather", 2e9), 1e-5 + 0.75)
+
+
+def _parse(flags: str) -> object:
+    args = build_parser().parse_args(["demo", *shlex.split(flags)])
+    return config_from(args)
+
+
+def test_every_layout_has_flags_the_demo_accepts() -> None:
+    layouts = [
+        *enumerate_layouts(2, 1, 0),
+        *enumerate_layouts(4, 1, 0),
+        *enumerate_layouts(2, 2, 0),
+    ]
+    names = {layout.strategy for layout in layouts}
+    assert names >= {"single", "towers", "ddp", "zero1", "zero2", "zero3", "ps", "pipeline"}
+    assert names >= {"tensor", "hybrid", "hsdp"}
+    assert any(layout.hierarchical for layout in layouts)
+    for layout in layouts:
+        config = _parse(layout.flags())
+        assert config == layout.config(), layout.flags()
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_lists_runnable_candidates_that_fit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    limit = 300_000  # below ddp's and single's states (5 x 104 KB), above zero3's
+    result = _plan_json(
+        capsys, "--model", "mlp", "--nproc", "2", "--memory-per-device", str(limit),
+        "--link-gbps", "1", "--link-latency-us", "300", "--probe-seconds", "0.05",
+    )  # fmt: skip
+    candidates = result["candidates"]
+    assert candidates
+    rates = [c["samples_per_second"] for c in candidates]
+    assert rates == sorted(rates, reverse=True)
+    for c in candidates:
+        assert {"strategy", "flags", "samples_per_second", "step_seconds"} <= set(c)
+        assert 0 < c["memory_bytes_per_rank"] <= limit
+        assert math.isclose(c["samples_per_second"] * c["step_seconds"], 64)
+        assert _parse(c["flags"]).strategy == c["strategy"]
+    listed = {c["strategy"] for c in candidates}
+    assert {"zero3", "pipeline"} <= listed and not listed & {"single", "ddp", "towers"}
+    out_of_memory = [r["flags"] for r in result["left_out"] if "per rank" in r["reason"]]
+    assert "--strategy ddp --nproc 2" in out_of_memory
+    assert "First pick" in result["explanation"]
+    # One candidate really runs, with its own flags, a few steps.
+    pick = next(c for c in candidates if c["strategy"] == "pipeline")
+    metrics = tmp_path / "metrics.json"
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_CONFIG"}
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "dtrain.cli", "demo", "--model", "mlp", "--steps", "3",
+            "--global-batch-size", "64", "--out", str(tmp_path / "run"),
+            "--metrics-json", str(metrics), *shlex.split(pick["flags"]),
+        ],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(metrics.read_text())["steps"] == 3
+
+
+class Tiny(nn.Module):
+    """A user's model without pipeline_layers() or a tensor-parallel plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def tiny_factory() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], object]:
+    """The factory contract: (model, (inputs, targets), loss_fn)."""
+    return Tiny(), (torch.randn(4, 6), torch.tensor([0, 1, 2, 0])), nn.functional.cross_entropy
+
+
+def test_user_models_from_a_factory_and_a_script(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    result = _plan_json(capsys, "--factory", "test_plan:tiny_factory", "--global-batch-size", "8")
+    assert [c["strategy"] for c in result["candidates"]] == ["single"]
+    assert "command" not in result["candidates"][0]
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def plan_model():\n"
+        "    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))\n"
+        "    return model, (torch.randn(2, 4), torch.tensor([0, 1])), nn.functional.cross_entropy\n"
+        "if __name__ == '__main__':\n    raise SystemExit('not run by dtrain plan')\n"
+    )
+    result = _plan_json(capsys, "--script", str(script), "--global-batch-size", "4")
+    assert result["candidates"][0]["strategy"] == "single"
+    assert result["calibration"]["parameters"] == 30
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["--model", "resnet"], 2, "invalid choice: 'resnet'"),
+        (["--model", "mlp", "--nproc", "3"], 2, "does not divide evenly over the 3 processes"),
+        (["--factory", "no_such_module_x:make"], 2, "cannot import module 'no_such_module_x'"),
+        (["--factory", "test_plan:missing"], 2, "there is no function 'missing'"),
+        (["--factory", "test_plan"], 2, "--factory takes MODULE:FUNCTION"),
+        (["--factory", "test_plan:Tiny"], 2, "returned Tiny"),
+        (["--factory", "test_plan:tiny_factory"], 2, "--global-batch-size is needed"),
+        (["--model", "mlp", "--model-size", "small"], 2, "--model-size applies to --model gpt"),
+        (["--model", "mlp", "--link-gbps", "1"], 2, "--link-gbps and --link-latency-us go"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], code: int, message: str
+) -> None:
+    try:
+        got = main(["plan", *argv])
+    except SystemExit as e:  # argparse's own errors
+        got = e.code
+    assert got == code
+    assert message in capsys.readouterr().err
+
+
+def test_plan_help_needs_no_torch(tmp_path: Path) -> None:
+    probe = (
+        "import sys\nfrom dtrain.cli import main\n"
+        "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert "--memory-per-device BYTES" in done.stdout
+    assert done.stdout.strip().endswith("torch imported: False"), done.stderr[-2000:]
+
+
+def test_layout_configs_match_the_strategies_checks() -> None:
+    from dtrain.plan.layouts import check
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert check(Layout("ddp", nproc=2), 64, model) is None
+    assert "does not divide evenly" in str(check(Layout("ddp", nproc=2), 63, model))
+    assert "plan" in str(check(Layout("tensor", nproc=2, tp=2), 64, model))
+    interleaved = Layout(
+        "pipeline", nproc=2, pp=2, microbatches=2, schedule="interleaved", virtual=2
+    )
+    assert "layers" in str(check(interleaved, 64, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))))
