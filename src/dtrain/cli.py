@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from dtrain import __version__
+from dtrain.bench.bench_flags import add_args as add_bench_args
 from dtrain.bench.comm_flags import add_args as add_comm_args
 from dtrain.config import Config
 from dtrain.config_file import add_config_arg, parse_with_config
@@ -65,8 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_topology_args(demo_parser)
     add_training_args(demo_parser)
 
-    bench = sub.add_parser("bench", help="Measure: the collectives' bandwidth (comm).")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench = sub.add_parser(
+        "bench",
+        help="Measure: strategies x process counts side by side (--strategies), or the "
+        "collectives' bandwidth (comm).",
+        description="Without a sub-command: train the same workload under every strategy "
+        "in --strategies at every process count in --nproc, the configurations taking turns, "
+        "--repeats times each; write a table (CSV, JSON) of the medians and PNG plots under "
+        "--out. `dtrain bench comm` times the collectives instead.",
+    )
+    add_bench_args(bench)
+    # Optional, so that `dtrain bench --strategies ...` runs the strategies bench itself.
+    bench_sub = bench.add_subparsers(dest="bench_command", required=False, metavar="{comm}")
     comm = bench_sub.add_parser(
         "comm",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -142,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             from dtrain.plan.command import main as plan_main
 
             return plan_main(args)
+        if args.command == "bench" and args.bench_command is None:
+            from dtrain.bench.strategies import main as bench_strategies
+
+            return bench_strategies(args, argv)
         config = config_from(args)
         if args.command == "bench":
             return _bench(config, argv)

@@ -1,0 +1,171 @@
+"""The flags of `dtrain bench` (strategies x process counts), importable without torch so
+that `--help` and every flag error answer at once."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dtrain.errors import ConfigError
+from dtrain.names import GPT_SIZES, MODELS, OPTIMIZERS, STRATEGY_ALIASES, check_strategy
+
+DEFAULT_STEPS = 30
+"""Optimizer steps per demo trial: enough for the first (slow) steps to weigh little."""
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `dtrain bench` when no sub-command (such as `comm`) is given."""
+    what = parser.add_argument_group("what to run (one of)")
+    what.add_argument(
+        "--model",
+        default=None,
+        choices=MODELS,
+        help="Bundled model trained by `dtrain demo` in every trial (default: mlp).",
+    )
+    what.add_argument(
+        "--script",
+        type=Path,
+        default=None,
+        help="Your training script, run by `dtrain run` in every trial; it must build its "
+        "Engine with dtrain.init() so that the metrics JSON is written when it ends.",
+    )
+    what.add_argument(
+        "--script-args",
+        default="",
+        help="Arguments for --script, as one quoted string (split as a shell would).",
+    )
+    model = parser.add_argument_group("bundled model (as `dtrain demo`)")
+    model.add_argument("--model-size", default=None, choices=GPT_SIZES, help="Size of --model gpt.")
+    model.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per step over all data-parallel workers (default: the model's own).",
+    )
+    model.add_argument(
+        "--optimizer", default=None, choices=OPTIMIZERS, help="Default: the model's own."
+    )
+    model.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"Optimizer steps per trial (default {DEFAULT_STEPS}); bundled models only: a "
+        "script decides its own length through --script-args.",
+    )
+    grid = parser.add_argument_group("the grid")
+    grid.add_argument(
+        "--strategies",
+        default=None,
+        help="Comma-separated strategies to compare, e.g. single,ddp,zero2,zero3.",
+    )
+    grid.add_argument(
+        "--nproc",
+        default="1,2",
+        help="Comma-separated process counts (default 1,2); a strategy that cannot run at a "
+        "count is skipped with the reason in the table.",
+    )
+    grid.add_argument(
+        "--hosts",
+        default=None,
+        help="Machines to spread the trials over; not supported yet (one machine only).",
+    )
+    grid.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Trials per configuration (default 3); configurations take turns (A B A B ...) "
+        "and the table quotes medians.",
+    )
+    grid.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="Seconds one trial may take before it is stopped and marked failed (default 600).",
+    )
+    grid.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of every trial, so all do the same work (default 0).",
+    )
+    grid.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/bench"),
+        help="Where the table (bench.csv, bench.json), the plots and each trial's log go "
+        "(default runs/bench).",
+    )
+
+
+def parse_strategies(text: str | None) -> list[str]:
+    """The strategy names of ``--strategies`` (aliases kept as given), in order, once each;
+    a ConfigError for a missing list or an unknown name."""
+    if not text:
+        raise ConfigError(
+            "dtrain bench needs the strategies to compare: give --strategies, e.g. "
+            "--strategies single,ddp (or run `dtrain bench comm` for collective bandwidth)."
+        )
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    for name in names:
+        check_strategy(name)
+    canonical = [STRATEGY_ALIASES.get(name, name) for name in names]
+    if len(set(canonical)) < len(canonical):
+        raise ConfigError(
+            f"--strategies {text} names the same strategy twice (an alias and its name); "
+            "list each once."
+        )
+    return names
+
+
+def parse_counts(text: str) -> list[int]:
+    """The process counts of ``--nproc`` (ascending, once each); a ConfigError when one is
+    not a positive whole number."""
+    counts: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise ConfigError(
+                f"--nproc takes comma-separated process counts of at least 1, such as 1,2,4; "
+                f"{part!r} is not one."
+            )
+        counts.add(int(part))
+    if not counts:
+        raise ConfigError("--nproc needs at least one process count, such as 1,2.")
+    return sorted(counts)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject flag combinations `dtrain bench` cannot run, before anything starts."""
+    if args.hosts:
+        raise ConfigError(
+            "dtrain bench runs on one machine for now; --hosts is not supported yet. Drop "
+            "--hosts and run the bench on each machine, or compare layouts across machines "
+            "with `dtrain run --nnodes` by hand."
+        )
+    if args.script is not None:
+        if args.model is not None:
+            raise ConfigError("Give either --model or --script to dtrain bench, not both.")
+        given = [
+            flag
+            for flag, value in (
+                ("--model-size", args.model_size),
+                ("--global-batch-size", args.global_batch_size),
+                ("--optimizer", args.optimizer),
+                ("--steps", args.steps),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} set(s) the bundled model's training, not a script's; "
+                "pass your script's own flags with --script-args instead."
+            )
+        if not args.script.is_file():
+            raise ConfigError(f"The script {args.script} does not exist; check the path.")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}.")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}.")

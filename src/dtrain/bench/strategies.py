@@ -1,0 +1,185 @@
+"""`dtrain bench --strategies A,B --nproc 1,2`: every strategy at every process count on
+one workload, side by side in one run.
+
+Configurations that cannot run are skipped with the launcher's own reason. The others run
+in rounds, one trial of each configuration per round (A B C, A B C, ...), so that a
+machine that slows down or speeds up during the bench (other jobs, heat, caches) touches
+every configuration alike; the table quotes medians over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+from pathlib import Path
+from typing import Any
+
+from dtrain.bench import proctree
+from dtrain.bench.bench_flags import check_args, parse_counts, parse_strategies
+from dtrain.bench.table import (
+    Row,
+    add_scaling_efficiency,
+    format_rows,
+    skipped_row,
+    summarise,
+    write_table,
+)
+from dtrain.bench.trial import TrialResult, Workload, run_trial
+from dtrain.errors import ConfigError
+
+Layout = tuple[str, int]
+"""A configuration: (strategy, processes)."""
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the bench the parsed flags describe; 0 when at least one configuration ran."""
+    check_args(args)
+    strategies = parse_strategies(args.strategies)
+    counts = parse_counts(args.nproc)
+    workload = Workload.from_args(args)
+    runnable, skipped = sort_grid(workload, strategies, counts)
+    if not runnable:
+        raise ConfigError(
+            "None of the configurations can run: "
+            + " ".join(f"{r.label}: {r.note}" for r in skipped.values())
+            + " Choose strategies and process counts that fit together."
+        )
+    total = len(runnable) * args.repeats
+    print(
+        f"dtrain bench: {workload.description}\n"
+        f"{len(runnable)} configuration(s) x {args.repeats} repeat(s) = {total} trials, "
+        f"taken in turn; {len(skipped)} skipped"
+        + "".join(f"\n  skipped {r.label}: {r.note}" for r in skipped.values()),
+        flush=True,
+    )
+    results = run_rounds(workload, runnable, args)
+    rows = []
+    for strategy in strategies:
+        for nproc in counts:
+            key = (strategy, nproc)
+            rows.append(
+                skipped[key] if key in skipped else summarise(strategy, nproc, results[key])
+            )
+    add_scaling_efficiency(rows)
+    meta = describe_run(workload, args, argv)
+    csv_path, json_path = write_table(rows, args.out, meta)
+    print("\n" + format_rows(rows), flush=True)
+    for note in notes(rows):
+        print(note, flush=True)
+    draw_plots(rows, args.out, f"{workload.description}  ({meta['machine']['summary']})")
+    print(f"Table in {csv_path} and {json_path}; each trial's log under {args.out / 'logs'}.")
+    return 0 if any(r.samples_per_second is not None for r in rows) else 1
+
+
+def sort_grid(
+    workload: Workload, strategies: list[str], counts: list[int]
+) -> tuple[list[Layout], dict[Layout, Row]]:
+    """The configurations that can run, in trial order, and the skipped ones' rows."""
+    runnable: list[Layout] = []
+    skipped: dict[Layout, Row] = {}
+    for strategy in strategies:
+        for nproc in counts:
+            try:
+                workload.check(strategy, nproc)
+            except ConfigError as e:
+                skipped[(strategy, nproc)] = skipped_row(strategy, nproc, str(e))
+            else:
+                runnable.append((strategy, nproc))
+    return runnable, skipped
+
+
+def run_rounds(
+    workload: Workload, runnable: list[Layout], args: argparse.Namespace
+) -> dict[Layout, list[TrialResult]]:
+    """Every configuration once per round, `args.repeats` rounds; a line per trial."""
+    results: dict[Layout, list[TrialResult]] = {key: [] for key in runnable}
+    total, done = len(runnable) * args.repeats, 0
+    for repeat in range(args.repeats):
+        for strategy, nproc in runnable:
+            log = args.out / "logs" / f"{strategy}-x{nproc}-{repeat + 1}.log"
+            result = run_trial(
+                workload,
+                strategy,
+                nproc,
+                repeat,
+                seed=args.seed,
+                timeout=args.timeout,
+                log_path=log,
+            )
+            results[(strategy, nproc)].append(result)
+            done += 1
+            print(
+                f"[{done:>{len(str(total))}}/{total}] {progress(result, args.repeats)}", flush=True
+            )
+    return results
+
+
+def progress(result: TrialResult, repeats: int) -> str:
+    """One trial's line: its configuration, then samples/s or why it failed."""
+    head = f"{result.strategy} x{result.nproc} (repeat {result.repeat + 1}/{repeats}): "
+    if result.status != "ok":
+        return head + f"{result.status} after {result.seconds:.1f} s: {result.note}"
+    rate = float(result.metrics["samples_per_second"])
+    return head + f"{rate:,.0f} samples/s ({result.seconds:.1f} s)"
+
+
+def notes(rows: list[Row]) -> list[str]:
+    """What the table lacks and why, in full sentences."""
+    ran = [r for r in rows if r.samples_per_second is not None]
+    said = []
+    if ran and all(r.data is None for r in ran):
+        said.append(
+            "The trials' metrics JSON carried no `breakdown`, so the data, forward, backward, "
+            "communication, optimizer and other columns are empty, and step time is the "
+            "global batch over samples/s."
+        )
+    if ran and not proctree.available():
+        said.append(
+            "Peak resident memory per rank is read from /proc, which this system lacks, so "
+            "its column is empty."
+        )
+    return said
+
+
+def draw_plots(rows: list[Row], out: Path, title: str) -> None:
+    """Draw the plots, or say that the plots extra is missing (the table is written)."""
+    from dtrain.bench import plots
+
+    try:
+        written, missing = plots.draw(rows, out, title)
+    except ImportError:
+        print(plots.EXTRA_NOTE, flush=True)
+        return
+    for note in missing:
+        print(note, flush=True)
+    if written:
+        print("Plots: " + ", ".join(str(p) for p in written), flush=True)
+
+
+def describe_run(workload: Workload, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """The command, workload, machine and date, stored beside the rows."""
+    import torch
+
+    if torch.cuda.is_available():
+        devices = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        devices = "CPU only"
+    cores = os.cpu_count()
+    return {
+        "command": "dtrain " + shlex.join(argv),
+        "workload": workload.description,
+        "repeats": args.repeats,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": {
+            "summary": f"{cores} CPU cores, {devices}, torch {torch.__version__}",
+            "host": platform.node(),
+            "platform": platform.platform(),
+            "cpu_cores": cores,
+            "devices": devices,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+    }

@@ -1,0 +1,189 @@
+"""One trial of `dtrain bench`: what it runs (a bundled model through `dtrain demo`, or the
+user's script through `dtrain run`), whether a layout can run at all, and running it once
+as a subprocess under a time limit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dtrain.bench import proctree
+from dtrain.bench.bench_flags import DEFAULT_STEPS
+
+GRACE_SECONDS = 20.0
+"""How long a trial stopped for its time limit has to end its workers before they are
+killed."""
+
+# Variables of an enclosing launch that would make a trial's launcher think it is a worker.
+_INHERITED = ("DTRAIN_CONFIG", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every trial runs; the flags besides the layout's are the same in all."""
+
+    model: str | None
+    """A bundled model trained by `dtrain demo`, or None with `script`."""
+    script: Path | None = None
+    """The user's script, run by `dtrain run`."""
+    script_args: tuple[str, ...] = ()
+    demo_flags: tuple[str, ...] = ()
+    """`dtrain demo` flags of the model's training (size, batch, optimizer, steps)."""
+    global_batch_size: int | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Workload:
+        """The workload the `dtrain bench` flags describe (default: the digits MLP)."""
+        if args.script is not None:
+            return cls(None, args.script.resolve(), tuple(shlex.split(args.script_args)))
+        model = args.model or "mlp"
+        flags = ["--model", model, "--steps", str(args.steps or DEFAULT_STEPS)]
+        for flag, value in (
+            ("--model-size", args.model_size),
+            ("--global-batch-size", args.global_batch_size),
+            ("--optimizer", args.optimizer),
+        ):
+            if value is not None:
+                flags += [flag, str(value)]
+        return cls(model, demo_flags=tuple(flags), global_batch_size=args.global_batch_size)
+
+    @property
+    def description(self) -> str:
+        """What runs, in a few words, for the table's heading."""
+        if self.script is not None:
+            return f"script {self.script.name} " + " ".join(self.script_args)
+        return "dtrain demo " + " ".join(self.demo_flags)
+
+    def check(self, strategy: str, nproc: int) -> None:
+        """Raise ConfigError if `strategy` cannot run on `nproc` processes (with this
+        model's global batch), as the launcher would before starting anything."""
+        from dtrain.config import Config
+        from dtrain.strategies import lookup
+
+        config = Config(strategy=strategy, nproc=nproc)
+        cls = lookup(config.strategy)
+        cls.check_launch(config)
+        cls.check_options(config)
+        if self.model is None:
+            return
+        from dtrain.demo import check_batch
+        from dtrain.tasks import TASKS
+
+        dp_size, splits = cls.batch_layout(config)
+        batch = self.global_batch_size or TASKS[self.model].global_batch_size
+        check_batch(batch, dp_size, splits, config.grad_accumulation)
+
+    def command(self, strategy: str, nproc: int, seed: int, scratch: Path) -> list[str]:
+        """The `dtrain` command line of one trial; its metrics go to scratch/metrics.json
+        and its outputs (checkpoints, logs) below `scratch`."""
+        layout = [
+            "--strategy", strategy, "--nproc", str(nproc), "--seed", str(seed),
+            "--memory-report", "--metrics-json", str(scratch / "metrics.json"),
+            "--out", str(scratch / "out"),
+        ]  # fmt: skip
+        dtrain = [sys.executable, "-m", "dtrain.cli"]
+        if self.script is None:
+            return [*dtrain, "demo", *layout, *self.demo_flags]
+        return [*dtrain, "run", *layout, str(self.script), *self.script_args]
+
+
+@dataclass
+class TrialResult:
+    """What one trial measured."""
+
+    strategy: str
+    nproc: int
+    repeat: int
+    status: str
+    """ok, failed or timeout."""
+    seconds: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """The trial's metrics JSON (empty when it wrote none)."""
+    peak_rss_bytes: list[int | None] | None = None
+    """Each rank's peak resident memory, seen from outside (None where /proc is missing)."""
+    note: str = ""
+    log: str = ""
+
+
+def run_trial(
+    workload: Workload,
+    strategy: str,
+    nproc: int,
+    repeat: int,
+    *,
+    seed: int,
+    timeout: float,
+    log_path: Path,
+) -> TrialResult:
+    """Run one trial to its end or its time limit; never raises for the trial's own
+    failure (the result says what happened and where its log is)."""
+    env = {k: v for k, v in os.environ.items() if k not in _INHERITED}
+    env["PYTHONUNBUFFERED"] = "1"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp, log_path.open("w") as log:
+        scratch = Path(tmp)
+        command = workload.command(strategy, nproc, seed, scratch)
+        log.write("$ " + shlex.join(command) + "\n")
+        log.flush()
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        watch = proctree.PeakMemory(proc.pid).start() if proctree.available() else None
+        status = "ok"
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status, code = "timeout", _stop(proc, watch)
+        seconds = time.perf_counter() - start
+        peaks = watch.stop() if watch is not None else None
+        metrics = _read_metrics(scratch / "metrics.json")
+    result = TrialResult(
+        strategy, nproc, repeat, status, seconds, metrics, peaks, log=str(log_path)
+    )
+    if status == "timeout":
+        result.note = f"stopped after the --timeout of {timeout:g} s; see {log_path}"
+    elif code != 0 or not metrics:
+        result.status = "failed"
+        why = f"exit code {code}" if code != 0 else "no metrics JSON written"
+        result.note = f"{why}: {_last_line(log_path)} (log: {log_path})"
+    return result
+
+
+def _stop(proc: subprocess.Popen[bytes], watch: proctree.PeakMemory | None) -> int:
+    """Ask the trial's launcher to stop (it ends its workers), then kill what is left."""
+    tree = proctree.descendants(proc.pid) if proctree.available() else {}
+    if watch is not None:
+        tree = {**watch.seen, **tree}
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+    finally:
+        proctree.kill_tree({pid: t for pid, t in tree.items() if pid != proc.pid})
+
+
+def _read_metrics(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a trial's log: usually the error that ended it."""
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines()]
+    lines = [line for line in lines if line and not line.startswith("$ ")]
+    return lines[-1][:200] if lines else "no output"
