@@ -34,9 +34,12 @@ PHASE_COLOURS = {
 DPI = 100
 
 
-def draw(rows: list[Row], out: Path, title: str) -> tuple[list[Path], list[str]]:
+def draw(
+    rows: list[Row], out: Path, title: str, basis: str = "run"
+) -> tuple[list[Path], list[str]]:
     """Draw every plot the rows allow into `out`; return the files written and a note for
-    each plot left out (no data for it). Raises ImportError without matplotlib."""
+    each plot left out (no data for it). `basis` names what samples/s measures (a key of
+    `table.BASES`). Raises ImportError without matplotlib."""
     from matplotlib.figure import Figure
 
     ran = [r for r in rows if r.samples_per_second is not None]
@@ -51,7 +54,7 @@ def draw(rows: list[Row], out: Path, title: str) -> tuple[list[Path], list[str]]
         ("memory.png", _memory),
     ):
         fig = Figure(figsize=(7, 4.2), layout="constrained")
-        missing = plot(fig, ran)
+        missing = plot(fig, ran, basis)
         if missing:
             notes.append(f"{name} was not drawn: {missing}")
             continue
@@ -79,7 +82,7 @@ def _finish_counts_axes(ax: Axes, rows: list[Row], ylabel: str) -> None:
     ax.legend(fontsize=7)
 
 
-def _throughput(fig: Figure, rows: list[Row]) -> str:
+def _throughput(fig: Figure, rows: list[Row], basis: str) -> str:
     ax = fig.add_subplot()
     for i, (strategy, group) in enumerate(_by_strategy(rows).items()):
         colour = f"C{i}"
@@ -96,11 +99,12 @@ def _throughput(fig: Figure, rows: list[Row]) -> str:
             ax.plot(
                 counts, ideal, linestyle="--", color=colour, alpha=0.6, label=f"{strategy} ideal"
             )
-    _finish_counts_axes(ax, rows, "samples/s (median; bars: min-max)")
+    what = "steady state" if basis == "steady" else "whole run"
+    _finish_counts_axes(ax, rows, f"samples/s, {what} (median; bars: min-max)")
     return ""
 
 
-def _efficiency(fig: Figure, rows: list[Row]) -> str:
+def _efficiency(fig: Figure, rows: list[Row], basis: str) -> str:
     ax = fig.add_subplot()
     for i, (strategy, group) in enumerate(_by_strategy(rows).items()):
         points = [(r.processes, r.scaling_efficiency * 100) for r in group if r.scaling_efficiency]
@@ -110,7 +114,7 @@ def _efficiency(fig: Figure, rows: list[Row]) -> str:
     return ""
 
 
-def _breakdown(fig: Figure, rows: list[Row]) -> str:
+def _breakdown(fig: Figure, rows: list[Row], basis: str) -> str:
     shown = [r for r in rows if r.step_seconds is not None and r.data is not None]
     if not shown:
         return "the trials' metrics JSON carried no `breakdown`."
@@ -128,7 +132,7 @@ def _breakdown(fig: Figure, rows: list[Row]) -> str:
     return ""
 
 
-def _memory(fig: Figure, rows: list[Row]) -> str:
+def _memory(fig: Figure, rows: list[Row], basis: str) -> str:
     panels = [
         ("peak_rss_mib_per_rank", "peak resident memory (MiB)"),
         ("model_state_mib_per_rank", "model state: params + grads + optimizer (MiB)"),

@@ -20,11 +20,13 @@ from typing import Any
 from dtrain.bench import proctree
 from dtrain.bench.bench_flags import check_args, parse_counts, parse_strategies
 from dtrain.bench.table import (
+    BASES,
     Row,
     add_scaling_efficiency,
     format_rows,
     skipped_row,
     summarise,
+    throughput_basis,
     write_table,
 )
 from dtrain.bench.trial import TrialResult, Workload, run_trial
@@ -56,20 +58,23 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         flush=True,
     )
     results = run_rounds(workload, runnable, args)
+    basis = throughput_basis([t for trials in results.values() for t in trials])
     rows = []
     for strategy in strategies:
         for nproc in counts:
             key = (strategy, nproc)
-            rows.append(
-                skipped[key] if key in skipped else summarise(strategy, nproc, results[key])
-            )
+            if key in skipped:
+                rows.append(skipped[key])
+            else:
+                rows.append(summarise(strategy, nproc, results[key], basis))
     add_scaling_efficiency(rows)
-    meta = describe_run(workload, args, argv)
+    meta = describe_run(workload, args, argv) | {"samples_per_second": BASES[basis]}
     csv_path, json_path = write_table(rows, args.out, meta)
-    print("\n" + format_rows(rows), flush=True)
+    print(f"\n{format_rows(rows)}\nsamples/s: {BASES[basis]}.", flush=True)
     for note in notes(rows):
         print(note, flush=True)
-    draw_plots(rows, args.out, f"{workload.description}  ({meta['machine']['summary']})")
+    title = f"{workload.description}  ({meta['machine']['summary']})"
+    draw_plots(rows, args.out, title, basis)
     print(f"Table in {csv_path} and {json_path}; each trial's log under {args.out / 'logs'}.")
     return 0 if any(r.samples_per_second is not None for r in rows) else 1
 
@@ -133,8 +138,8 @@ def notes(rows: list[Row]) -> list[str]:
     if ran and all(r.data is None for r in ran):
         said.append(
             "The trials' metrics JSON carried no `breakdown`, so the data, forward, backward, "
-            "communication, optimizer and other columns are empty, and step time is the "
-            "global batch over samples/s."
+            "communication, optimizer and other columns are empty, step time is the global "
+            "batch over samples/s, and samples/s includes each run's first (slow) steps."
         )
     if ran and not proctree.available():
         said.append(
@@ -144,12 +149,12 @@ def notes(rows: list[Row]) -> list[str]:
     return said
 
 
-def draw_plots(rows: list[Row], out: Path, title: str) -> None:
+def draw_plots(rows: list[Row], out: Path, title: str, basis: str) -> None:
     """Draw the plots, or say that the plots extra is missing (the table is written)."""
     from dtrain.bench import plots
 
     try:
-        written, missing = plots.draw(rows, out, title)
+        written, missing = plots.draw(rows, out, title, basis)
     except ImportError:
         print(plots.EXTRA_NOTE, flush=True)
         return

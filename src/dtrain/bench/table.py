@@ -18,6 +18,13 @@ PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
 MIB = 2**20
 MODEL_STATE = ("parameters", "gradients", "optimizer")
 """The keys of the metrics JSON's `memory` (--memory-report) that add up to model state."""
+BASES = {
+    "steady": "the global batch over the median step time after warm-up (the breakdown's "
+    "`step`, mean over ranks)",
+    "run": "the metrics JSON's samples_per_second, over the whole run with its first (slow) steps",
+}
+"""What the samples/s column measures: `steady` where every trial reports its breakdown and
+global batch, else `run`. One basis for the whole table, so that rows compare."""
 
 
 @dataclass
@@ -31,8 +38,11 @@ class Row:
     trials: str = ""
     """Trials that ran to the end, of those started ("3/3")."""
     samples_per_second: float | None = None
+    """Median over the trials, on the bench's basis (see `BASES`)."""
     samples_per_second_min: float | None = None
     samples_per_second_max: float | None = None
+    run_samples_per_second: float | None = None
+    """Median of the metrics JSON's own figure: the whole run, first steps included."""
     scaling_efficiency: float | None = None
     """samples/s over the strategy's smallest process count's, scaled by the count."""
     step_seconds: float | None = None
@@ -69,27 +79,43 @@ def skipped_row(strategy: str, nproc: int, reason: str) -> Row:
     return Row(strategy, nproc, "skipped", note=" ".join(reason.split()))
 
 
-def summarise(strategy: str, nproc: int, trials: Sequence[TrialResult]) -> Row:
-    """The row of one configuration from its trials (medians over those that ran)."""
+def throughput_basis(trials: Sequence[TrialResult]) -> str:
+    """`steady` when every trial that ran reports a breakdown and its global batch, else
+    `run` (see `BASES`)."""
+    ok = [t for t in trials if t.status == "ok"]
+    steady = all(_breakdown(t.metrics) and t.metrics.get("global_batch_size") for t in ok)
+    return "steady" if ok and steady else "run"
+
+
+def summarise(strategy: str, nproc: int, trials: Sequence[TrialResult], basis: str) -> Row:
+    """The row of one configuration from its trials (medians over those that ran), its
+    samples/s on `basis` (a key of `BASES`)."""
     ok = [t for t in trials if t.status == "ok"]
     status = "ok" if len(ok) == len(trials) else ("partial" if ok else "failed")
     row = Row(strategy, nproc, status, trials=f"{len(ok)}/{len(trials)}")
     row.note = "; ".join(f"trial {t.repeat + 1} {t.status}: {t.note}" for t in trials if t.note)
     if not ok:
         return row
-    rates = [float(t.metrics["samples_per_second"]) for t in ok]
+    row.run_samples_per_second = statistics.median(
+        float(t.metrics["samples_per_second"]) for t in ok
+    )
+    per_rank = [_breakdown(t.metrics) for t in ok]
+    steps = [statistics.fmean(r["step"] for r in ranks) for ranks in per_rank if ranks]
+    if basis == "steady":
+        rates = [float(t.metrics["global_batch_size"]) / s for t, s in zip(ok, steps, strict=True)]
+    else:
+        rates = [float(t.metrics["samples_per_second"]) for t in ok]
     row.samples_per_second = statistics.median(rates)
     row.samples_per_second_min, row.samples_per_second_max = min(rates), max(rates)
-    per_rank = [_breakdown(t.metrics) for t in ok]
     if all(per_rank):
-        row.breakdown_per_rank = _median_dicts(per_rank)
-        for phase in (*PHASES, "step"):
-            value = statistics.fmean(rank[phase] for rank in row.breakdown_per_rank)
-            setattr(row, "step_seconds" if phase == "step" else phase, value)
+        row.breakdown_per_rank = _median_dicts(per_rank)  # type: ignore[arg-type]
+        for phase in PHASES:
+            setattr(row, phase, statistics.fmean(r[phase] for r in row.breakdown_per_rank))
+        row.step_seconds = statistics.median(steps)
     else:
         batch = ok[0].metrics.get("global_batch_size")
-        if batch and row.samples_per_second:
-            row.step_seconds = float(batch) / row.samples_per_second
+        if batch:
+            row.step_seconds = float(batch) / row.run_samples_per_second
     peaks = [t.peak_rss_bytes for t in ok if t.peak_rss_bytes]
     if peaks:
         row.peak_rss_mib_per_rank = _median_lists(peaks, MIB)
