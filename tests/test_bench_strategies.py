@@ -161,8 +161,10 @@ def _runs(pid: int, text: str) -> bool:
 
 def _trial(nproc: int, repeat: int, rate: float, step: float) -> TrialResult:
     """A trial's result as run_trial builds it from a metrics JSON with a breakdown."""
-    ranks = [dict.fromkeys(PHASES, step / 8) | {"step": step} for _ in range(nproc)]
+    ranks = [dict.fromkeys(PHASES[:5], step / 8) for _ in range(nproc)]
     ranks[-1]["communication"] = step / 4  # the last rank waits longer
+    for parts in ranks:  # the parts add up to the step, as in the metrics JSON
+        parts |= {"other": step - sum(parts.values()), "step": step}
     metrics = {
         "samples_per_second": rate,
         "global_batch_size": 64,
@@ -183,9 +185,11 @@ def test_rows_take_medians_and_the_breakdown_mean_over_ranks(tmp_path: Path) -> 
     assert throughput_basis([*ones, replace(ones[0], metrics={"samples_per_second": 1.0})]) == "run"
     one, two = summarise("ddp", 1, ones, "run"), summarise("ddp", 2, twos, "run")
     assert (one.samples_per_second, one.samples_per_second_min) == (1001.0, 1000.0)
-    assert two.samples_per_second == 1600.0 and two.step_seconds == pytest.approx(0.045)
-    # rank 0 waits 0.045/8 per step, rank 1 0.045/4: the row shows their mean
-    assert two.communication == pytest.approx((0.045 / 8 + 0.045 / 4) / 2)
+    # the breakdown is the median trial's (the lower of two): its parts add up to its step
+    assert two.samples_per_second == 1600.0 and two.step_seconds == pytest.approx(0.04)
+    assert sum(getattr(two, phase) for phase in PHASES) == pytest.approx(0.04)
+    # rank 0 waits 0.04/8 per step, rank 1 0.04/4: the row shows their mean
+    assert two.communication == pytest.approx((0.04 / 8 + 0.04 / 4) / 2)
     assert len(two.breakdown_per_rank) == 2 and two.diagnosis == "communication"
     assert two.model_state_mib == 2.0 and two.peak_rss_mib == 1024.0
     # steady: the global batch (64) over each trial's step time, then the median

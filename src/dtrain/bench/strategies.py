@@ -25,6 +25,7 @@ from dtrain.bench.table import (
     add_scaling_efficiency,
     format_rows,
     skipped_row,
+    steady_rate,
     summarise,
     throughput_basis,
     write_table,
@@ -127,8 +128,14 @@ def progress(result: TrialResult, repeats: int) -> str:
     head = f"{result.strategy} x{result.nproc} (repeat {result.repeat + 1}/{repeats}): "
     if result.status != "ok":
         return head + f"{result.status} after {result.seconds:.1f} s: {result.note}"
-    rate = float(result.metrics["samples_per_second"])
-    return head + f"{rate:,.0f} samples/s ({result.seconds:.1f} s)"
+    run = float(result.metrics["samples_per_second"])
+    steady = steady_rate(result)
+    if steady is None:
+        return head + f"{run:,.0f} samples/s over the whole run ({result.seconds:.1f} s)"
+    return head + (
+        f"{steady:,.0f} samples/s at steady state, {run:,.0f} over the whole run "
+        f"({result.seconds:.1f} s)"
+    )
 
 
 def notes(rows: list[Row]) -> list[str]:

@@ -46,6 +46,8 @@ class Row:
     scaling_efficiency: float | None = None
     """samples/s over the strategy's smallest process count's, scaled by the count."""
     step_seconds: float | None = None
+    """The median trial's step time after warm-up (mean over ranks; for an even number of
+    trials, the lower of the middle two)."""
     data: float | None = None
     forward: float | None = None
     backward: float | None = None
@@ -62,6 +64,7 @@ class Row:
     peak_rss_mib_per_rank: list[float | None] = field(default_factory=list)
     model_state_mib_per_rank: list[float] = field(default_factory=list)
     breakdown_per_rank: list[dict[str, float]] = field(default_factory=list)
+    """The median trial's breakdown (by step time), rank by rank."""
 
     @property
     def label(self) -> str:
@@ -79,12 +82,20 @@ def skipped_row(strategy: str, nproc: int, reason: str) -> Row:
     return Row(strategy, nproc, "skipped", note=" ".join(reason.split()))
 
 
+def steady_rate(trial: TrialResult) -> float | None:
+    """The trial's global batch over its median step time after warm-up (mean over ranks),
+    or None when its metrics lack the breakdown or the global batch."""
+    ranks = _breakdown(trial.metrics)
+    batch = trial.metrics.get("global_batch_size")
+    if not ranks or not batch:
+        return None
+    return float(batch) / statistics.fmean(r["step"] for r in ranks)
+
+
 def throughput_basis(trials: Sequence[TrialResult]) -> str:
-    """`steady` when every trial that ran reports a breakdown and its global batch, else
-    `run` (see `BASES`)."""
+    """`steady` when every trial that ran has a steady rate, else `run` (see `BASES`)."""
     ok = [t for t in trials if t.status == "ok"]
-    steady = all(_breakdown(t.metrics) and t.metrics.get("global_batch_size") for t in ok)
-    return "steady" if ok and steady else "run"
+    return "steady" if ok and all(steady_rate(t) for t in ok) else "run"
 
 
 def summarise(strategy: str, nproc: int, trials: Sequence[TrialResult], basis: str) -> Row:
@@ -99,19 +110,21 @@ def summarise(strategy: str, nproc: int, trials: Sequence[TrialResult], basis: s
     row.run_samples_per_second = statistics.median(
         float(t.metrics["samples_per_second"]) for t in ok
     )
-    per_rank = [_breakdown(t.metrics) for t in ok]
-    steps = [statistics.fmean(r["step"] for r in ranks) for ranks in per_rank if ranks]
     if basis == "steady":
-        rates = [float(t.metrics["global_batch_size"]) / s for t, s in zip(ok, steps, strict=True)]
+        rates = [steady_rate(t) or 0.0 for t in ok]
     else:
         rates = [float(t.metrics["samples_per_second"]) for t in ok]
     row.samples_per_second = statistics.median(rates)
     row.samples_per_second_min, row.samples_per_second_max = min(rates), max(rates)
-    if all(per_rank):
-        row.breakdown_per_rank = _median_dicts(per_rank)  # type: ignore[arg-type]
-        for phase in PHASES:
-            setattr(row, phase, statistics.fmean(r[phase] for r in row.breakdown_per_rank))
-        row.step_seconds = statistics.median(steps)
+    per_rank = [ranks for ranks in (_breakdown(t.metrics) for t in ok) if ranks]
+    if len(per_rank) == len(ok):
+        # The median trial's own breakdown (by step time), so that its parts add up to its
+        # step; medians taken part by part over noisy trials would not.
+        per_rank.sort(key=lambda ranks: statistics.fmean(r["step"] for r in ranks))
+        row.breakdown_per_rank = per_rank[(len(per_rank) - 1) // 2]
+        for phase in (*PHASES, "step"):
+            value = statistics.fmean(r[phase] for r in row.breakdown_per_rank)
+            setattr(row, "step_seconds" if phase == "step" else phase, value)
     else:
         batch = ok[0].metrics.get("global_batch_size")
         if batch:
@@ -225,15 +238,6 @@ def _model_state(metrics: dict[str, Any]) -> list[int] | None:
         return None
     ordered = sorted(ranks, key=lambda r: r.get("rank", 0))
     return [sum(int(r.get(k, 0)) for k in MODEL_STATE) for r in ordered]
-
-
-def _median_dicts(trials: list[list[dict[str, float]]]) -> list[dict[str, float]]:
-    """Per rank and key, the median over trials (ranks missing from a trial are left out)."""
-    ranks = max(len(t) for t in trials)
-    return [
-        {k: statistics.median(t[r][k] for t in trials if r < len(t)) for k in trials[0][0]}
-        for r in range(ranks)
-    ]
 
 
 def _median_lists(trials: list[list[int | None]], unit: int) -> list[float | None]:
