@@ -1,1 +1,2 @@
-"""`dtrain bench`: measurements run side by side (collective bandwidth, ...)."""
+"""`dtrain bench`: strategies x process counts side by side (`strategies`, with `trial`,
+`table` and `plots`), and the collectives' bandwidth (`comm`)."""
