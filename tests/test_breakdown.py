@@ -95,6 +95,7 @@ def test_planted_causes_are_named_first_and_the_trace_holds_every_rank(tmp_path:
             parts = sum(part[p] for p in PHASES if p != "step")
             assert parts == pytest.approx(part["step"], rel=0.1), (cause, part)
     assert results["communication"]["strategy"] == "ddp"  # the metrics JSON itself
+    assert all(peak > 2**20 for peak in results["communication"]["peak_memory_bytes"])
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}

@@ -8,6 +8,7 @@ end of the run.
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ class RunTiming:
             "breakdown": timer.medians(),
             "spans": timer.spans if self.trace_path else [],
             "memory": self._memory(),
+            "peak": self._peak_bytes(),
         }
         everyone = gather_objects(mine, group) if dist.is_initialized() else [mine]
         if not is_main:
@@ -101,7 +103,17 @@ class RunTiming:
         text = table(breakdown, causes)
         LOGGER.info(text)
         print(text, flush=True)
-        return {"breakdown": breakdown, "diagnosis": causes}
+        return {
+            "breakdown": breakdown,
+            "diagnosis": causes,
+            "peak_memory_bytes": [r["peak"] for r in everyone],
+        }
+
+    def _peak_bytes(self) -> int:
+        """This rank's peak memory: reserved on its GPU, else the process's resident set."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_reserved(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
     def _memory(self) -> tuple[int, int] | None:
         """(peak bytes reserved, the device's bytes) on a GPU; None elsewhere."""
