@@ -95,7 +95,8 @@ class Config:
     metrics_json: str | None = option(
         None,
         "Write the run's results (strategy, world_size, steps, train_loss, samples_per_second, "
-        "wall_seconds, ...) to this JSON file when the script ends (rank 0).",
+        "wall_seconds, breakdown, diagnosis, ...) to this JSON file when the script ends "
+        "(rank 0).",
     )
     trace: str | None = option(
         None,

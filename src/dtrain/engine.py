@@ -484,14 +484,16 @@ class Engine:
         self._closed = True
         forget(self)
         self.checkpoints.finish()
-        timing = (
-            self.timing.finish(self.strategy.train_group, self.is_main)
-            if self.model is not None and not failed
-            else {}
-        )
+        summary: dict[str, Any] = {}
+        if self.model is not None and not failed:  # collectives: every rank got here
+            summary = self.timing.finish(self.strategy.train_group, self.is_main)
+            if self.config.memory_report:
+                summary["memory"] = self.memory_report()
+        if self.position.samples_per_step:
+            summary["global_batch_size"] = self.position.samples_per_step
         metrics_path = self.report.finish(
             {
-                **timing,
+                **summary,
                 "strategy": self.strategy.name,
                 "world_size": self.world_size,
                 "steps": self.step,
