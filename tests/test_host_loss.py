@@ -11,7 +11,9 @@ within --timeout.
 
 from __future__ import annotations
 
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +22,8 @@ import cluster
 import pytest
 import safetensors.torch
 from torch.testing import assert_close
+
+from dtrain.errors import ConfigError
 
 WHY_NOT = cluster.unavailable()
 pytestmark = [
@@ -132,3 +136,39 @@ def test_a_killed_host_is_survived_and_a_dead_rendezvous_host_is_named(
     assert "stopped or became unreachable" in master_log
     assert "Traceback" not in master_log
     assert master_ended - killed < TIMEOUT_S, master_log[-3000:]
+
+
+def test_the_rendezvous_waits_follow_the_timeout_and_the_last_call() -> None:
+    """Heartbeats: torch's 5 s for long timeouts, a twelfth of --timeout for short ones,
+    1 s at least; the join wait covers the dead machine's grace and the last call."""
+    from dtrain.config import Config
+    from dtrain.launch.runner import join_timeout, keep_alive_interval
+
+    assert [keep_alive_interval(Config(timeout_s=t)) for t in (600, 30, 10, 1)] == [5, 2, 1, 1]
+    assert join_timeout(Config(timeout_s=600)) == 600 + 15 + 3
+    assert join_timeout(Config(timeout_s=10, last_call_s=7)) == 10 + 3 + 7
+    with pytest.raises(ConfigError, match="--last-call must be a whole number of seconds"):
+        Config(last_call_s=0).validate()
+
+
+def test_a_rendezvous_host_that_stops_answering_is_reported_after_the_timeout() -> None:
+    """The side watch (a cut link gives the agent no error for many minutes): silent while
+    the host accepts connections, `on_lost` once none has succeeded for the timeout."""
+    from dtrain.launch.watch import _watch
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        lost: list[float] = []
+        done = threading.Event()
+        watching = threading.Thread(
+            target=_watch, args=("127.0.0.1", port, 1.5, lambda: lost.append(1), done)
+        )
+        watching.start()
+        time.sleep(2.5)
+        assert not lost  # answering: nothing to report
+    started = time.monotonic()  # the listener is closed: connections are refused now
+    watching.join(timeout=10)
+    assert lost and 1.0 <= time.monotonic() - started < 5
+    done.set()

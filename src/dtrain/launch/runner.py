@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -144,15 +145,18 @@ KEEP_ALIVE_ATTEMPTS = 3
 
 def keep_alive_interval(config: Config) -> int:
     """Seconds between a machine's heartbeats to the elastic rendezvous (whole seconds,
-    as torch takes them).
+    as torch takes them): torch's 5 s for long timeouts, at most a twelfth of --timeout
+    for short ones (so a dead machine is dropped within a quarter of it), 1 s at least."""
+    return max(1, min(5, int(config.timeout_s / (4 * KEEP_ALIVE_ATTEMPTS))))
 
-    A machine that dies is dropped after `KEEP_ALIVE_ATTEMPTS` missed heartbeats, and the
-    survivors meet again only then, plus the last call, all within their join timeout
-    (--timeout). So the heartbeats take at most half of what --timeout leaves after the
-    last call; torch's 5 s (15 s in all) stays the longest, one second the shortest.
-    """
-    spare = (config.timeout_s - config.last_call_s) / (2 * KEEP_ALIVE_ATTEMPTS)
-    return max(1, min(5, int(spare)))
+
+def join_timeout(config: Config) -> int:
+    """Seconds a machine waits at the elastic rendezvous for MIN machines: --timeout of
+    waiting proper, plus what every round spends anyway. After a machine is lost the
+    survivors cannot meet until its heartbeats have run out, and then they wait out the
+    last call; on a busy machine that alone could eat a short --timeout."""
+    grace = keep_alive_interval(config) * KEEP_ALIVE_ATTEMPTS
+    return math.ceil(config.timeout_s) + grace + config.last_call_s
 
 
 def _rendezvous(config: Config) -> dict[str, object]:
@@ -186,7 +190,7 @@ def _rendezvous(config: Config) -> dict[str, object]:
     # rendezvous host is noticed then, not after torch's 60 s), and a dead machine's
     # heartbeats running out (see keep_alive_interval).
     rdzv_configs: dict[str, object] = {
-        "join_timeout": int(config.timeout_s),
+        "join_timeout": join_timeout(config),
         "last_call_timeout": config.last_call_s,
         "read_timeout": max(1, int(config.timeout_s)),
         "keep_alive_interval": keep_alive_interval(config),
@@ -245,14 +249,25 @@ def check_port_free(port: int) -> None:
 
 
 def _announce_restarts(record: logging.LogRecord) -> bool:
-    """Say, in one line, that the group restarts (the agent's own record is dropped)."""
-    if "will restart worker group" in str(record.msg) and len(record.args or ()) == 4:
-        _, state, left, most = record.args  # type: ignore[misc]
+    """Say, in one line, that the group restarts (the agent's own record is dropped):
+    after a failure (4 arguments), or to take in machines waiting to join (3)."""
+    if "will restart worker group" not in str(record.msg):
+        return False
+    args = record.args if isinstance(record.args, tuple) else ()
+    if len(args) == 4:
+        _, state, left, most = args
         attempt = int(most) - int(left) + 2
         print(
             f"dtrain: the worker group {str(state).lower()} (a worker failed); restarting it, "
             f"attempt {attempt} of {int(most) + 1}. A script that resumes from its last "
             "checkpoint continues from there.",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif len(args) == 3:
+        print(
+            f"dtrain: {args[1]} machine(s) waiting to join; restarting the worker group to "
+            "take them in (this does not count against --max-restarts).",
             file=sys.stderr,
             flush=True,
         )
