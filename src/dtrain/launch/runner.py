@@ -311,6 +311,12 @@ def _host_watched(
 def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_worker(nproc))
     os.environ[LAUNCHER_PID] = str(os.getpid())
+    if config.min_nnodes is not None:
+        # torch's agents share one store server with their workers by default, set up
+        # once: a machine that joins a later round (one coming back) then waits for an
+        # address that the group's rank 0 never publishes again, and the round never
+        # starts. Without the sharing, every round publishes a fresh one.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     log_dir = scratch_folder()
     prefixed = os.environ.get(RANK_PREFIX_VAR) == "1"  # a host started over ssh
     rendezvous = _rendezvous(config)
