@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -108,6 +109,10 @@ class Cluster:
         self._processes.append(proc)
         return proc
 
+    def kill(self, host: Host) -> None:
+        """Kill `host` outright: SIGKILL every process in it, as when a machine dies."""
+        _kill_inside(host.netns)
+
     def close(self) -> None:
         """Stop every process started in the hosts, then remove the hosts and the bridge."""
         for proc in self._processes:
@@ -116,6 +121,19 @@ class Cluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         remove(self.tag)
+
+
+def dtrain_command(*args: str) -> list[str]:
+    """The argv of ``dtrain ARGS`` with this test's Python (and so its dtrain)."""
+    return [sys.executable, "-m", "dtrain.cli", *args]
+
+
+def job_env() -> dict[str, str]:
+    """This test's environment for a `dtrain` command in a host: no config inherited from
+    an enclosing job, unbuffered output, one thread per process (the hosts share cores)."""
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_CONFIG"}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return env
 
 
 def _kill_inside(netns: str) -> None:

@@ -148,6 +148,12 @@ class Config:
     max_restarts: int = option(
         0, "Restart the whole group up to this many times after a worker fails."
     )
+    last_call_s: int = option(
+        3,
+        "Elastic jobs (--nnodes MIN:MAX): once MIN machines have joined, seconds the "
+        "rendezvous waits for more before the job starts (and again at every restart).",
+        flag="--last-call",
+    )
     servers: int = option(1, "Parameter-server processes added to the --nproc workers (ps).")
     ps_mode: str = option(
         "sync", "Parameter-server updates: sync, async or ssp (bounded staleness) (ps)."
@@ -262,6 +268,11 @@ class Config:
             )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}.")
+        if self.last_call_s < 1:
+            raise ConfigError(
+                f"--last-call must be a whole number of seconds, at least 1, got "
+                f"{self.last_call_s}."
+            )
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"Unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}."

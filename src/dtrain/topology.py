@@ -136,10 +136,12 @@ def _peers_unreachable(topology: Topology, error: str) -> str:
 def _job_store(topology: Topology, timeout: timedelta) -> dist.Store:
     """The rendezvous store at MASTER_ADDR:MASTER_PORT, private to this attempt.
 
-    Under the elastic agent the store outlives a restart; a restarted group reading the
-    previous attempt's keys (a dead rank's address) fails to connect now and then. A
-    prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts apart. The agent
-    hosts the store when it says so (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+    The agent hosts the store when it says so (TORCHELASTIC_USE_AGENT_STORE); the store
+    then outlives a restart, and a restarted group reading the previous attempt's keys (a
+    dead rank's address) fails to connect now and then, so a prefix per attempt
+    (TORCHELASTIC_RESTART_COUNT) keeps the attempts apart. Otherwise rank 0 hosts a fresh
+    store every attempt, and no prefix is needed: none is used, since a machine that
+    joins an elastic job late counts its attempts from 0 while the others do not.
     """
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
@@ -149,5 +151,7 @@ def _job_store(topology: Topology, timeout: timedelta) -> dist.Store:
         is_master=not agent_hosts and topology.rank == 0,
         timeout=timeout,
     )
+    if not agent_hosts:
+        return store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"dtrain/attempt-{attempt}", store)

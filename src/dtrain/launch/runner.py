@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.config import ENV_VAR, Config
@@ -37,6 +38,7 @@ from dtrain.launch.hosts import as_nodes, hosts_of
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
 from dtrain.launch.remote import RANK_PREFIX_VAR
 from dtrain.launch.ssh import launch_over_ssh
+from dtrain.launch.watch import rendezvous_host_watched
 from dtrain.parallel.data_parallel import OFFLOAD_NEEDS_GPUS
 from dtrain.strategies import lookup
 from dtrain.strategies.ddp import SYNC_BATCHNORM_NEEDS_GPUS
@@ -137,9 +139,24 @@ def _threads_per_worker(nproc: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // nproc))
 
 
-LAST_CALL_S = 3
-"""Elastic jobs: once the fewest machines have joined, how long the rendezvous waits for
-more before it starts (torch's default, 30 s, is long for a job everyone started at once)."""
+KEEP_ALIVE_ATTEMPTS = 3
+"""Elastic jobs: heartbeats a machine may miss before the rendezvous counts it as gone."""
+
+
+def keep_alive_interval(config: Config) -> int:
+    """Seconds between a machine's heartbeats to the elastic rendezvous (whole seconds,
+    as torch takes them): torch's 5 s for long timeouts, at most a twelfth of --timeout
+    for short ones (so a dead machine is dropped within a quarter of it), 1 s at least."""
+    return max(1, min(5, int(config.timeout_s / (4 * KEEP_ALIVE_ATTEMPTS))))
+
+
+def join_timeout(config: Config) -> int:
+    """Seconds a machine waits at the elastic rendezvous for MIN machines: --timeout of
+    waiting proper, plus what every round spends anyway. After a machine is lost the
+    survivors cannot meet until its heartbeats have run out, and then they wait out the
+    last call; on a busy machine that alone could eat a short --timeout."""
+    grace = keep_alive_interval(config) * KEEP_ALIVE_ATTEMPTS
+    return math.ceil(config.timeout_s) + grace + config.last_call_s
 
 
 def _rendezvous(config: Config) -> dict[str, object]:
@@ -169,9 +186,15 @@ def _rendezvous(config: Config) -> dict[str, object]:
     # torch's c10d rendezvous guesses which machine hosts its store from the hostname,
     # and tells the workers rank 0's hostname as MASTER_ADDR; on clusters where hostnames
     # resolve to loopback both guesses are wrong, so both are said outright.
+    # Every wait of the rendezvous follows --timeout: joining, a store read (a dead
+    # rendezvous host is noticed then, not after torch's 60 s), and a dead machine's
+    # heartbeats running out (see keep_alive_interval).
     rdzv_configs: dict[str, object] = {
-        "join_timeout": int(config.timeout_s),
-        "last_call_timeout": LAST_CALL_S,
+        "join_timeout": join_timeout(config),
+        "last_call_timeout": config.last_call_s,
+        "read_timeout": max(1, int(config.timeout_s)),
+        "keep_alive_interval": keep_alive_interval(config),
+        "keep_alive_max_attempt": KEEP_ALIVE_ATTEMPTS,
     }
     if hosting is not None:
         rdzv_configs["is_host"] = hosting
@@ -226,14 +249,25 @@ def check_port_free(port: int) -> None:
 
 
 def _announce_restarts(record: logging.LogRecord) -> bool:
-    """Say, in one line, that the group restarts (the agent's own record is dropped)."""
-    if "will restart worker group" in str(record.msg) and len(record.args or ()) == 4:
-        _, state, left, most = record.args  # type: ignore[misc]
+    """Say, in one line, that the group restarts (the agent's own record is dropped):
+    after a failure (4 arguments), or to take in machines waiting to join (3)."""
+    if "will restart worker group" not in str(record.msg):
+        return False
+    args = record.args if isinstance(record.args, tuple) else ()
+    if len(args) == 4:
+        _, state, left, most = args
         attempt = int(most) - int(left) + 2
         print(
             f"dtrain: the worker group {str(state).lower()} (a worker failed); restarting it, "
             f"attempt {attempt} of {int(most) + 1}. A script that resumes from its last "
             "checkpoint continues from there.",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif len(args) == 3:
+        print(
+            f"dtrain: {args[1]} machine(s) waiting to join; restarting the worker group to "
+            "take them in (this does not count against --max-restarts).",
             file=sys.stderr,
             flush=True,
         )
@@ -258,11 +292,34 @@ def _quiet_agent() -> Iterator[None]:
         restarts.setLevel(levels[1])
 
 
+def _host_watched(
+    config: Config, rendezvous: dict[str, object]
+) -> contextlib.AbstractContextManager[None]:
+    """Elastic jobs, on a machine that does not host the rendezvous: stop within --timeout
+    once its host is unreachable (see `watch`)."""
+    rdzv_configs = rendezvous.get("rdzv_configs")
+    if not isinstance(rdzv_configs, dict) or rdzv_configs.get("is_host") is not False:
+        return contextlib.nullcontext()
+    seconds = f"{config.timeout_s:g} s"
+    return rendezvous_host_watched(
+        str(rendezvous["rdzv_endpoint"]),
+        config.timeout_s,
+        lambda: rendezvous_host_lost(config, f"no connection to it for {seconds}"),
+    )
+
+
 def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_worker(nproc))
     os.environ[LAUNCHER_PID] = str(os.getpid())
+    if config.min_nnodes is not None:
+        # torch's agents share one store server with their workers by default, set up
+        # once: a machine that joins a later round (one coming back) then waits for an
+        # address that the group's rank 0 never publishes again, and the round never
+        # starts. Without the sharing, every round publishes a fresh one.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     log_dir = scratch_folder()
     prefixed = os.environ.get(RANK_PREFIX_VAR) == "1"  # a host started over ssh
+    rendezvous = _rendezvous(config)
     launch_config = LaunchConfig(
         min_nodes=config.min_nnodes or config.nnodes,
         max_nodes=config.nnodes,
@@ -272,11 +329,11 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL if prefixed else Std.NONE),
         log_line_prefix_template="[rank ${rank}] " if prefixed else None,
-        **_rendezvous(config),  # type: ignore[arg-type]
+        **rendezvous,  # type: ignore[arg-type]
     )
     command = ("-u", "-m", bootstrap.__name__, target.kind, target.name, *target.args)
     try:
-        with _quiet_agent():
+        with _quiet_agent(), _host_watched(config, rendezvous):
             elastic_launch(launch_config, sys.executable)(*command)
     except SignalException as e:
         raise Stopped(e.sigval) from None
@@ -294,6 +351,12 @@ def _rendezvous_failed(config: Config, error: Exception) -> str:
     """What to do when the nodes' agents did not all meet at the rendezvous in time."""
     text = str(error).strip()
     first_line = text.splitlines()[0].rstrip(".") if text else type(error).__name__
+    if config.min_nnodes is not None and isinstance(error, RendezvousConnectionError):
+        cause = str(error.__cause__ or "").strip()  # torch's own text says "see inner"
+        first_line = cause.splitlines()[0].rstrip(".") if cause else first_line
+        # This machine reached the rendezvous before its workers started (addressing.locate
+        # waits for it), so losing the connection now means its host went away.
+        return rendezvous_host_lost(config, first_line)
     if config.min_nnodes is not None:
         return (
             f"Fewer than {config.min_nnodes} machines met at the rendezvous at {config.master} "
@@ -314,6 +377,17 @@ def _rendezvous_failed(config: Config, error: Exception) -> str:
         f"Node {config.node_rank} lost the rendezvous at {config.master} ({first_line}): "
         "node 0 stopped or became unreachable. Its own output says why; start every node "
         "again once it is fixed."
+    )
+
+
+def rendezvous_host_lost(config: Config, why: str) -> str:
+    """An elastic job's machine lost the machine that hosts its rendezvous."""
+    return (
+        f"The machine hosting the rendezvous at {config.master} (the one that holds the "
+        f"--master address) stopped or became unreachable ({why}), so this machine stops "
+        "too: an elastic job survives losing any machine but that one. Start the command "
+        "again on every machine once it is back; a script that resumes from its last "
+        "checkpoint continues from there."
     )
 
 
