@@ -147,7 +147,9 @@ class Config:
     max_restarts: int = option(
         0, "Restart the whole group up to this many times after a worker fails."
     )
-    servers: int = option(1, "Parameter-server processes added to the --nproc workers (ps).")
+    servers: int = option(
+        1, "Parameter-server processes of the whole job, the same number on each machine (ps)."
+    )
     ps_mode: str = option(
         "sync", "Parameter-server updates: sync, async or ssp (bounded staleness) (ps)."
     )
