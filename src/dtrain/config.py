@@ -154,7 +154,9 @@ class Config:
         "rendezvous waits for more before the job starts (and again at every restart).",
         flag="--last-call",
     )
-    servers: int = option(1, "Parameter-server processes added to the --nproc workers (ps).")
+    servers: int = option(
+        1, "Parameter-server processes of the whole job, the same number on each machine (ps)."
+    )
     ps_mode: str = option(
         "sync", "Parameter-server updates: sync, async or ssp (bounded staleness) (ps)."
     )

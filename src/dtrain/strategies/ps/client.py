@@ -33,8 +33,8 @@ class Client:
         plan: where every bucket lives.
         store: the served parameters, in optimizer order, as views of one flat buffer.
         channel: the run's messages.
-        rank: this worker's global rank (in [0, W)).
-        workers: W; server s has global rank W + s.
+        rank: this worker's index in [0, W) (global rank 0 is worker 0).
+        servers: the global rank of each server.
         groups: number of optimizer param groups (lr values per commit).
         timeout_s: how long any wait may last before the peer is declared dead.
     """
@@ -45,7 +45,7 @@ class Client:
         store: FlatParameters,
         channel: protocol.Channel,
         rank: int,
-        workers: int,
+        servers: list[int],
         groups: int,
         timeout_s: float,
     ) -> None:
@@ -54,7 +54,7 @@ class Client:
         self.channel = channel
         self.params = store.params
         self.rank = rank
-        self.servers = [workers + s for s in range(len(plan.shards))]
+        self.servers = servers
         self.groups = groups
         self.timeout_s = timeout_s
         # The pieces of each parameter: (server, bucket, start in the parameter, numel,

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from dtrain.errors import ConfigError
 from dtrain.strategies.ps import sharding
 from dtrain.strategies.ps.protocol import Channel
+from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.rebuild import hyperparameters
 
 
@@ -76,7 +77,7 @@ class Start:
     Attributes:
         description: worker 0's description.
         values: the initial values of the served parameters (flat, workers' layout).
-        workers: the process group of the workers (ranks 0..W-1).
+        workers: the process group of the workers.
         channel: the run's own group of every rank, for the ps messages.
     """
 
@@ -86,7 +87,7 @@ class Start:
     channel: Channel
 
 
-def handshake(mine: Description | None, values: torch.Tensor | None, workers: int) -> Start:
+def handshake(mine: Description | None, values: torch.Tensor | None, roles: Roles) -> Start:
     """The start of a training run under ps: worker 0's description and initial parameter
     values reach every rank, then every rank takes part in creating the workers' group and
     the run's group of every rank.
@@ -95,7 +96,7 @@ def handshake(mine: Description | None, values: torch.Tensor | None, workers: in
         mine: this worker's description (None on a server).
         values: this worker's parameters as one flat CPU tensor, overwritten with worker
             0's (None on a server, which gets a new tensor).
-        workers: W; ranks 0..W-1 are the workers.
+        roles: which ranks are the workers.
 
     Raises:
         ConfigError: this worker's parameters or optimizer differ from worker 0's.
@@ -105,13 +106,13 @@ def handshake(mine: Description | None, values: torch.Tensor | None, workers: in
     description: Description = box[0]  # type: ignore[assignment]
     if mine is not None and mine.layout() != description.layout():
         raise ConfigError(
-            f"Worker {dist.get_rank()}'s model or optimizer differs from worker 0's (parameter "
-            "sizes, param groups, dtype or optimizer class); every worker must build the same "
-            "model and optimizer before engine.setup."
+            f"Worker {roles.index(dist.get_rank())}'s model or optimizer differs from worker "
+            "0's (parameter sizes, param groups, dtype or optimizer class); every worker must "
+            "build the same model and optimizer before engine.setup."
         )
     if values is None:
         values = torch.empty(description.numel, dtype=description.dtype)
     dist.broadcast(values, src=0)
-    workers_group = dist.new_group(list(range(workers)))
+    workers_group = dist.new_group(roles.worker_ranks)
     everyone = dist.new_group(list(range(dist.get_world_size())))
     return Start(description, values, workers_group, Channel(everyone))

@@ -47,11 +47,11 @@ class Outbox:
         )
         self._thread.start()
 
-    def send(self, tensor: torch.Tensor, worker: int) -> int:
-        """Queue `tensor` (left unchanged until sent) for `worker`; return its ticket."""
+    def send(self, tensor: torch.Tensor, rank: int) -> int:
+        """Queue `tensor` (left unchanged until sent) for global `rank`; return its ticket."""
         self._raise()
         self.queued += 1
-        self._queue.put((self.queued, tensor, worker))
+        self._queue.put((self.queued, tensor, rank))
         return self.queued
 
     def wait(self, ticket: int) -> None:

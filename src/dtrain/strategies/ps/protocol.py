@@ -1,12 +1,12 @@
 """The messages between workers and servers, on gloo point-to-point send/recv.
 
-Rank layout: the W workers are global ranks 0..W-1 (rank 0 writes checkpoints), the K
-servers the last K ranks, W..W+K-1. Every request is a fixed-size float64 *header* sent
-on tag HEADER; a server receives headers from any source (gloo's ``recv`` without
-``src``), reads the sender from the header, then receives the payload, if any, from that
-sender on tag PAYLOAD. Replies go back on tag REPLY. Per (sender, tag) pair gloo delivers
-in order, so a worker's payloads always follow their headers. Each training run has a
-process group of its own for these messages (:class:`Channel`).
+Rank layout: roles.py (worker 0 is global rank 0 and writes checkpoints); messages name
+workers by index in [0, W) and servers by index in [0, K). Every request is a fixed-size
+float64 *header* sent on tag HEADER; a server receives headers from any source (gloo's
+``recv`` without ``src``), reads the sender from the header, then receives the payload, if
+any, from that sender on tag PAYLOAD. Replies go back on tag REPLY. Per (sender, tag) pair
+gloo delivers in order, so a worker's payloads always follow their headers. Each training
+run has a process group of its own for these messages (:class:`Channel`).
 
 Pushed gradients need no header: they travel on a tag of their own per bucket (PUSH_TAGS
 + bucket index), and a server posts the receives of all a worker's next buckets when it

@@ -32,6 +32,7 @@ from dtrain.strategies.ps import protocol
 from dtrain.strategies.ps.handshake import Start
 from dtrain.strategies.ps.outbox import Outbox
 from dtrain.strategies.ps.protocol import HEADER, NORM, PAYLOAD, PUSH_TAGS, Op
+from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.ps.shard_optimizer import ShardOptimizer
 from dtrain.strategies.ps.sharding import ServerShard
 
@@ -40,18 +41,21 @@ class Server:
     """Serve one shard until every worker has finished.
 
     Args:
-        index: this server's index in [0, K); its global rank is W + index.
+        index: this server's index in [0, K) (roles.py gives its global rank).
         shard: the buckets and keys it holds.
         start: the handshake's result: the optimizer to rebuild over the shard (worker
             0's description), the initial values, the run's channel.
-        config: workers W (--nproc), mode, staleness, backup workers, timeout.
+        config: the layout (--nproc, --servers, --nnodes), mode, staleness, backup
+            workers, timeout.
     """
 
     def __init__(self, index: int, shard: ServerShard, start: Start, config: Config) -> None:
         description, values = start.description, start.values
         self.index = index
         self.buckets = shard.buckets
-        self.workers = workers = config.nproc
+        self.roles = Roles.of(config)
+        self.workers = workers = self.roles.workers
+        self.worker_ranks = self.roles.worker_ranks
         self.channel = start.channel
         self.config = config
         self.mode = config.ps_mode
@@ -123,11 +127,11 @@ class Server:
                 data = torch.empty(int(a), dtype=torch.uint8)
                 self._recv(data, sender)
                 self._set_state(protocol.from_bytes(data))
-                self.outbox.send(torch.ones(1), sender)
+                self._reply(torch.ones(1), sender)
             elif op is Op.STATS:
                 self.stats["pending"] = len(self.members)
                 counters = [float(self.stats[name]) for name in protocol.STATS]
-                self.outbox.send(torch.tensor(counters, dtype=torch.float64), sender)
+                self._reply(torch.tensor(counters, dtype=torch.float64), sender)
             elif op is Op.RESUME:
                 self.paused.discard(sender)
             elif op in (Op.FINISH, Op.PAUSE):
@@ -206,13 +210,14 @@ class Server:
         the squared norm goes to every other server and theirs come back (each server
         closes the same rounds in the same order, so the r-th shares belong together)."""
         share = mean.double().square().sum().reshape(1)
-        others = [self.workers + j for j in range(self.config.servers) if j != self.index]
-        sends = [self.channel.send(share, rank, NORM) for rank in others]
+        ranks = self.roles.server_ranks
+        others = [j for j in range(len(ranks)) if j != self.index]
+        sends = [self.channel.send(share, ranks[j], NORM) for j in others]
         total = share.item()
-        for rank in others:
+        for j in others:
             got = torch.empty(1, dtype=torch.float64)
-            what = f"Server {self.index} waiting for server {rank - self.workers}'s gradient norm"
-            protocol.wait(self.channel.recv(got, rank, NORM), self.config.timeout_s, what)
+            what = f"Server {self.index} waiting for server {j}'s gradient norm"
+            protocol.wait(self.channel.recv(got, ranks[j], NORM), self.config.timeout_s, what)
             total += got.item()
         for work in sends:
             protocol.wait(work, self.config.timeout_s, f"Server {self.index} sending its norm")
@@ -311,25 +316,30 @@ class Server:
         """
         received = self.received[worker]
         self.pushes[worker] = [
-            self.channel.recv(self._slice(received, b), worker, PUSH_TAGS + b)
+            self.channel.recv(self._slice(received, b), self.worker_ranks[worker], PUSH_TAGS + b)
             for b in range(len(self.buckets))
         ]
 
     def _recv(self, tensor: torch.Tensor, worker: int) -> None:
         what = f"Server {self.index} receiving from worker {worker}"
-        protocol.wait(self.channel.recv(tensor, worker, PAYLOAD), self.config.timeout_s, what)
+        work = self.channel.recv(tensor, self.worker_ranks[worker], PAYLOAD)
+        protocol.wait(work, self.config.timeout_s, what)
 
     def _send_version(self, worker: int) -> None:
         # One version tensor per worker, reused: its previous reply has gone by now (the
         # worker received it before asking again), so this wait returns at once.
         self.outbox.wait(self.version_sent[worker])
         tensor = self.versions_out[worker].fill_(self.version)
-        self.version_sent[worker] = self.outbox.send(tensor, worker)
+        self.version_sent[worker] = self._reply(tensor, worker)
 
     def _send_bucket(self, b: int, worker: int) -> None:
-        self.bucket_sent[b] = self.outbox.send(self._slice(self.flat, b), worker)
+        self.bucket_sent[b] = self._reply(self._slice(self.flat, b), worker)
 
     def _send_bytes(self, worker: int, obj: object) -> None:
         data = protocol.to_bytes(obj)
-        self.outbox.send(torch.tensor([data.numel()], dtype=torch.int64), worker)
-        self.outbox.send(data, worker)
+        self._reply(torch.tensor([data.numel()], dtype=torch.int64), worker)
+        self._reply(data, worker)
+
+    def _reply(self, tensor: torch.Tensor, worker: int) -> int:
+        """Queue `tensor` for worker `worker` (an index); return the outbox's ticket."""
+        return self.outbox.send(tensor, self.worker_ranks[worker])

@@ -11,6 +11,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.rng import initial_seeds
 from dtrain.strategies.ps.handshake import handshake
+from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.ps.server import Server
 from dtrain.topology import Topology, detect, init_process_group
 
@@ -23,11 +24,12 @@ def topology(config: Config, server: bool) -> Topology:
         ConfigError: the job does not have W + K processes.
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if world != config.nproc + config.servers:
+    expected = Roles.of(config).world_size
+    if world != expected:
         raise ConfigError(
-            f"--strategy ps with --nproc {config.nproc} workers and --servers "
-            f"{config.servers} needs {config.nproc + config.servers} processes, but this "
-            f"job has {world}; start it with `dtrain run --strategy ps --nproc W "
+            f"--strategy ps with --nproc {config.nproc} workers per machine, --nnodes "
+            f"{config.nnodes} and --servers {config.servers} needs {expected} processes, but "
+            f"this job has {world}; start it with `dtrain run --strategy ps --nproc W "
             "--servers K`, which adds the servers."
         )
     found = detect(config.replace(cpu=True) if server else config)
@@ -50,8 +52,9 @@ def serve_job(config: Config) -> None:
     description and initial values from worker 0's `engine.setup`, then answer the
     workers until every one has finished."""
     initial_seeds(everyone=True)
-    start = handshake(None, None, config.nproc)
-    index = dist.get_rank() - config.nproc
+    roles = Roles.of(config)
+    start = handshake(None, None, roles)
+    index = roles.index(dist.get_rank())
     shard = start.description.plan(config.servers).shards[index]
     server = Server(index, shard, start, config)
     del start  # the server copied its shard of the values

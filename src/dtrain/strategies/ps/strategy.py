@@ -1,11 +1,12 @@
 """`ps`: workers compute gradients, parameter servers hold the parameters and update them.
 
 The seeds' TensorFlow PS architecture on torch.distributed point-to-point messages over
-gloo. `--nproc W` workers are global ranks 0..W-1, run the user's script and read the
-data; `--servers K` servers are the last K ranks and hold the parameters and optimizer
-state on the CPU. The launcher runs a server rank's :meth:`ParameterServer.role_main`
-(serving.py) instead of the script: it learns the model from worker 0's `engine.setup`
-(handshake.py), serves until every worker has finished and returns. See server.py for the
+gloo. `--nproc` workers per machine run the user's script and read the data; `--servers
+K` servers in all, K/N on each of the N machines, hold the parameters and optimizer state
+on the CPU (roles.py says which rank is which). The launcher runs a server rank's
+:meth:`ParameterServer.role_main` (serving.py) instead of the script: it learns the model
+from worker 0's `engine.setup` (handshake.py), serves until every worker has finished and
+returns. See server.py for the
 sync, async and ssp rules and sharding.py for the placement.
 """
 
@@ -32,6 +33,7 @@ from dtrain.strategies.ps import serving, sharding, state
 from dtrain.strategies.ps.client import Client
 from dtrain.strategies.ps.handshake import Description, handshake
 from dtrain.strategies.ps.optimizer import WorkerOptimizer, check_optimizer
+from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.ps.storage import FlatParameters
 from dtrain.topology import Topology
 
@@ -55,7 +57,8 @@ class ParameterServer(Strategy):
 
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
-        self.workers = topology.world_size - config.servers
+        self.roles = Roles.of(config)
+        self.workers = self.roles.workers
         self.client: Client | None = None
         self.optimizer: WorkerOptimizer | None = None
         self.plan: sharding.Plan | None = None
@@ -70,20 +73,27 @@ class ParameterServer(Strategy):
     # -- layout ----------------------------------------------------------------------------
     @classmethod
     def processes_per_node(cls, config: Config) -> int:
-        return config.nproc + config.servers
+        return Roles.of(config).per_node
 
     @classmethod
     def role_of(cls, config: Config, rank: int) -> str:
-        if rank < config.nproc:
-            return f"worker {rank}"
-        return f"server {rank - config.nproc}"
+        roles = Roles.of(config)
+        return f"{'server' if roles.is_server(rank) else 'worker'} {roles.index(rank)}"
 
     @classmethod
     def check_launch(cls, config: Config) -> None:
-        if config.nnodes != 1:
+        if config.min_nnodes is not None:
             raise ConfigError(
-                "--strategy ps runs on one machine in this version (workers and servers on "
-                f"the same node), but --nnodes {config.nnodes} was given; use --nnodes 1."
+                "--strategy ps places its servers on the machines when the job starts, so it "
+                f"cannot run elastic (--nnodes {config.min_nnodes}:{config.nnodes}); give a "
+                "fixed --nnodes N."
+            )
+        if config.servers % config.nnodes:
+            raise ConfigError(
+                f"--servers {config.servers} cannot be spread evenly over --nnodes "
+                f"{config.nnodes} machines (--servers counts the servers of the whole job, the "
+                f"same number on each machine); use a multiple of {config.nnodes}, such as "
+                f"--servers {config.nnodes * max(1, round(config.servers / config.nnodes))}."
             )
 
     @classmethod
@@ -95,18 +105,19 @@ class ParameterServer(Strategy):
     @classmethod
     def role_main(cls, config: Config, rank: int) -> Callable[[], None] | None:
         """Server ranks serve (serving.py) instead of running the user's script."""
-        return functools.partial(serving.serve, config) if rank >= config.nproc else None
+        serves = Roles.of(config).is_server(rank)
+        return functools.partial(serving.serve, config) if serves else None
 
     @classmethod
     def detect_topology(cls, config: Config) -> Topology:
         rank = int(os.environ.get("RANK", 0))
-        if rank >= config.nproc:
+        if Roles.of(config).is_server(rank):
             raise ConfigError(
                 f"Rank {rank} is a parameter server (--strategy ps with --nproc "
-                f"{config.nproc} workers: ranks {config.nproc} and up serve), so it does not "
-                "run the training script; start ps jobs with `dtrain run --strategy ps "
-                "--nproc W --servers K SCRIPT` (or `dtrain demo --strategy ps`), which runs "
-                "the servers itself."
+                f"{config.nproc} workers and --servers {config.servers}: the last ranks of "
+                "each machine serve), so it does not run the training script; start ps jobs "
+                "with `dtrain run --strategy ps --nproc W --servers K SCRIPT` (or `dtrain demo "
+                "--strategy ps`), which runs the servers itself."
             )
         return serving.topology(config, server=False)
 
@@ -116,7 +127,7 @@ class ParameterServer(Strategy):
 
     @property
     def dp_rank(self) -> int:
-        return self.topology.rank
+        return self.roles.index(self.topology.rank)
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -158,7 +169,7 @@ class ParameterServer(Strategy):
         model = model.to(self.topology.device)
         params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         store = FlatParameters(params)
-        start = handshake(Description.of(optimizer), store.host(), self.workers)
+        start = handshake(Description.of(optimizer), store.host(), self.roles)
         store.assign(start.values)
         self._workers_group = start.workers
         self._broadcast_rest(model, params)
@@ -168,8 +179,8 @@ class ParameterServer(Strategy):
             self.plan,
             store,
             start.channel,
-            self.topology.rank,
-            self.workers,
+            self.dp_rank,
+            self.roles.server_ranks,
             len(optimizer.param_groups),
             self.config.timeout_s,
         )
