@@ -59,21 +59,21 @@ def hierarchical_hook(
     state: HostGroups, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's gradient averaged over every rank, reduced
-    inside the machine to its leader, all-reduced across the leaders, broadcast back."""
+    inside the machine to its leader, all-reduced across the leaders, broadcast back.
+
+    Every collective is issued here, in the hook, which DDP calls in bucket order on every
+    rank: the ranks of a group must issue its collectives in one order. Issued from a
+    callback instead, a bucket's broadcast and the next bucket's reduce would come in one
+    order on the leader (which first waits for the all-reduce across machines) and in the
+    other on the rest of its machine, and the machine would deadlock on a model of several
+    buckets. The broadcast back is left running while backward goes on.
+    """
     tensor = bucket.buffer().div_(state.world)
     reduced = dist.reduce(tensor, dst=state.leader, group=state.inside, async_op=True)
     assert reduced is not None
-
-    def across_and_back(_: torch.futures.Future) -> torch.Tensor:
-        # Waiting inside the callback, as torch's own PowerSGD hook does, keeps the three
-        # steps in order while backward goes on producing the next buckets.
-        if state.across is not None:
-            work = dist.all_reduce(tensor, group=state.across, async_op=True)
-            assert work is not None
-            work.wait()
-        back = dist.broadcast(tensor, src=state.leader, group=state.inside, async_op=True)
-        assert back is not None
-        back.wait()
-        return tensor
-
-    return reduced.get_future().then(across_and_back)
+    reduced.wait()
+    if state.across is not None:
+        dist.all_reduce(tensor, group=state.across)
+    back = dist.broadcast(tensor, src=state.leader, group=state.inside, async_op=True)
+    assert back is not None
+    return back.get_future().then(lambda _: tensor)
