@@ -93,19 +93,19 @@ def test_a_listening_rendezvous_is_found_and_node_0_does_not_wait() -> None:
 
 
 def test_a_rendezvous_that_never_completes_says_what_to_start() -> None:
-    from dtrain.launch.runner import _rendezvous_failed
+    from dtrain.launch.failures import rendezvous_failed
 
     waited = RuntimeError("Timed out after 31 seconds waiting for clients. 1/3 clients joined.")
     static = Config(nnodes=3, master="head:29500", timeout_s=30)
-    assert _rendezvous_failed(static, waited).startswith(
+    assert rendezvous_failed(static, waited).startswith(
         "Node 0 hosted the rendezvous at head:29500 for 30 s, but not all 3 nodes joined "
         "(Timed out after 31 seconds waiting for clients. 1/3 clients joined). Start the "
         "same command on each other machine with its own --node-rank (1 to 2)"
     )
-    assert "Node 2 lost the rendezvous at head:29500" in _rendezvous_failed(
+    assert "Node 2 lost the rendezvous at head:29500" in rendezvous_failed(
         static.replace(node_rank=2), waited
     )
     elastic = Config(nnodes=3, min_nnodes=2, master="head:29500", timeout_s=30)
     assert "Fewer than 2 machines met at the rendezvous at head:29500 within 30 s" in (
-        _rendezvous_failed(elastic, waited)
+        rendezvous_failed(elastic, waited)
     )

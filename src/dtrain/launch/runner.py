@@ -15,11 +15,10 @@ import logging
 import math
 import os
 import shutil
-import signal
 import socket
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +26,19 @@ import torch
 from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.launch import addressing, bootstrap
+from dtrain.launch.failures import (
+    exit_code_of,
+    format_failures,
+    rendezvous_failed,
+    rendezvous_host_lost,
+)
 from dtrain.launch.hosts import as_nodes, hosts_of
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
 from dtrain.launch.remote import RANK_PREFIX_VAR
@@ -338,112 +343,10 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     except SignalException as e:
         raise Stopped(e.sigval) from None
     except (DistStoreError, DistNetworkError, RendezvousError) as e:
-        raise LaunchError(_rendezvous_failed(config, e)) from None
+        raise LaunchError(rendezvous_failed(config, e)) from None
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
         message = format_failures(e.failures, lambda r: role(config, r))
         raise LaunchError(message, exit_code=exit_code_of(e.failures)) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def _rendezvous_failed(config: Config, error: Exception) -> str:
-    """What to do when the nodes' agents did not all meet at the rendezvous in time."""
-    text = str(error).strip()
-    first_line = text.splitlines()[0].rstrip(".") if text else type(error).__name__
-    if config.min_nnodes is not None and isinstance(error, RendezvousConnectionError):
-        cause = str(error.__cause__ or "").strip()  # torch's own text says "see inner"
-        first_line = cause.splitlines()[0].rstrip(".") if cause else first_line
-        # This machine reached the rendezvous before its workers started (addressing.locate
-        # waits for it), so losing the connection now means its host went away.
-        return rendezvous_host_lost(config, first_line)
-    if config.min_nnodes is not None:
-        return (
-            f"Fewer than {config.min_nnodes} machines met at the rendezvous at {config.master} "
-            f"within {config.timeout_s:g} s ({first_line}). Start the same command on at "
-            f"least {config.min_nnodes} machines, the machine that holds the --master address "
-            "among them, check that they can reach it at that port, or raise --timeout."
-        )
-    others = "1" if config.nnodes == 2 else f"1 to {config.nnodes - 1}"
-    if config.node_rank == 0:
-        return (
-            f"Node 0 hosted the rendezvous at {config.master} for {config.timeout_s:g} s, "
-            f"but not all {config.nnodes} nodes joined ({first_line}). Start the same command "
-            f"on each other machine with its own --node-rank ({others}) and the same "
-            "--master, check that they can reach this machine at that address and port (no "
-            "firewall between them), or raise --timeout."
-        )
-    return (
-        f"Node {config.node_rank} lost the rendezvous at {config.master} ({first_line}): "
-        "node 0 stopped or became unreachable. Its own output says why; start every node "
-        "again once it is fixed."
-    )
-
-
-def rendezvous_host_lost(config: Config, why: str) -> str:
-    """An elastic job's machine lost the machine that hosts its rendezvous."""
-    return (
-        f"The machine hosting the rendezvous at {config.master} (the one that holds the "
-        f"--master address) stopped or became unreachable ({why}), so this machine stops "
-        "too: an elastic job survives losing any machine but that one. Start the command "
-        "again on every machine once it is back; a script that resumes from its last "
-        "checkpoint continues from there."
-    )
-
-
-def _causes(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-    """The failures that ended the job: not the ranks the agent stopped (SIGTERM) after."""
-    stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
-    return {r: f for r, f in failures.items() if r not in stopped} or failures
-
-
-def exit_code_of(failures: dict[int, ProcessFailure]) -> int:
-    """The job's exit code: the failed ranks' own (`sys.exit(3)` on every rank gives 3)
-    when they agree on one, else 1 (a rank killed by a signal included)."""
-    codes = {f.exitcode for f in _causes(failures).values()}
-    return codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
-
-
-def format_failures(
-    failures: dict[int, ProcessFailure], role: Callable[[int], str] | None = None
-) -> str:
-    """One paragraph per failed rank: how it ended and its own traceback or message.
-
-    `role` names what a rank does where the strategy gives ranks roles ("server 0").
-
-    When one rank fails the agent stops the others with SIGTERM; those are listed last,
-    in one line, so the rank that caused the failure stands first.
-    """
-    causes = _causes(failures)
-    reports: dict[tuple[str, str], list[int]] = {}
-    for rank, failure in sorted(causes.items()):
-        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-        ours = data.get("dtrain")
-        if failure.exitcode < 0:
-            how = f"was killed by signal {failure.signal_name()}"
-            detail = (
-                "It raised no Python exception: it was killed from outside or ran out of "
-                "memory; check the machine's logs (dmesg) and its memory use."
-            )
-        else:
-            how = f"exited with code {failure.exitcode}"
-            if ours:
-                detail = ours["message"] if ours["user_error"] else ours["traceback"].rstrip()
-            else:
-                detail = "It left no traceback; its own output above shows why it stopped."
-        reports.setdefault((how, detail), []).append(rank)
-    parts = []
-    for (how, detail), ranks in reports.items():
-        if len(ranks) == 1:
-            rank, failure = ranks[0], causes[ranks[0]]
-            what = f"{role(rank)}, " if role is not None and role(rank) != f"rank {rank}" else ""
-            who = f"Rank {rank} ({what}local rank {failure.local_rank}, pid {failure.pid})"
-        else:
-            who = f"Ranks {', '.join(map(str, ranks))}"
-        parts.append(f"{who} {how}:\n{detail}")
-    others = sorted(set(failures) - set(causes))
-    if others:
-        parts.append(
-            f"Rank(s) {', '.join(map(str, others))} were stopped by the launcher after that."
-        )
-    return "\n\n".join(parts)
