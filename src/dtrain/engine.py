@@ -80,6 +80,8 @@ class Engine:
         """The gradient norm before the last clipping (on the device), for the logs."""
         self.memory: dict[str, int] | None = None
         """Model-state bytes of this rank after its first step (with memory_report)."""
+        self._memory_report: list[dict[str, int]] | None = None
+        """Every rank's `memory`, once gathered after the first step."""
 
     # -- where training stands ------------------------------------------------------------
     @property
@@ -362,8 +364,12 @@ class Engine:
 
     def memory_report(self) -> list[dict[str, int]]:
         """Every rank's model-state bytes, measured at the first step (needs
-        ``memory_report=True``); collective."""
-        return gather_objects(dict(self.memory or {}, rank=self.rank), self.strategy.train_group)
+        ``memory_report=True``); collective the first time after that step, then kept (the
+        figures do not change), so the metrics JSON at close reuses a script's own call."""
+        if self._memory_report is None or self.memory is None:
+            mine = dict(self.memory or {}, rank=self.rank)
+            self._memory_report = gather_objects(mine, self.strategy.train_group)
+        return self._memory_report
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and synchronise gradients as the strategy requires (for
