@@ -1,11 +1,14 @@
 """Horovod's negotiation on dtrain: operations matched by name in any order, mismatches
 raised on every process, `join()` with uneven batches, process sets and `SyncBatchNorm`,
-on 3 gloo ranks and then 2 in one spawn; the negotiation table's decisions in this process."""
+Horovod's timeline, on 3 gloo ranks and then 2 in one spawn; the negotiation table's
+decisions in this process."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,11 +217,42 @@ def _check_stall_timeout(r: int, n: int) -> None:
     hvd.barrier()
 
 
-def _three_then_two(port_for_two: int) -> list[int]:
+def _timeline(path: Path, ranks: int) -> dict[str, list[dict]]:
+    """The spans of the timeline in `path` by name; checks every rank has its process."""
+    events = json.loads(path.read_text())["traceEvents"]
+    named = {e["pid"] for e in events if e["name"] == "process_name"}
+    assert named == set(range(ranks))
+    spans: dict[str, list[dict]] = {}
+    for e in events:
+        if e["ph"] in ("X", "i"):
+            spans.setdefault(e["name"], []).append(e)
+    return spans
+
+
+def _check_timelines(r: int, from_env: Path, started: Path) -> None:
+    """HOROVOD_TIMELINE's file (written at shutdown) holds every rank's negotiation and
+    run of each operation on that operation's row; hvd.start_timeline's marks cycles."""
+    if r != 0:
+        return
+    spans = _timeline(from_env, 3)
+    rows = {e["tid"] for e in spans["NEGOTIATE_ALLREDUCE"] if e["pid"] == 0}
+    assert {e["pid"] for e in spans["ALLREDUCE"]} == {0, 1, 2}
+    assert {e["pid"] for e in spans["NEGOTIATE_ALLGATHER"]} == {0, 1, 2}
+    for done in spans["ALLREDUCE"]:
+        negotiated = [e for e in spans["NEGOTIATE_ALLREDUCE"] if e["pid"] == done["pid"]]
+        assert done["dur"] >= 0 and any(e["tid"] == done["tid"] for e in negotiated)
+        assert done["tid"] in rows
+    spans = _timeline(started, 2)
+    assert "CYCLE_START" in spans and {e["pid"] for e in spans["JOIN"]} == {0, 1}
+
+
+def _three_then_two(port_for_two: int, traces: Path) -> list[int]:
     torch.set_num_threads(1)
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    os.environ["HOROVOD_TIMELINE"] = str(traces / "env.json")
     even = hvd.ProcessSet([0, 2])
     hvd.init(process_sets=[even])
+    del os.environ["HOROVOD_TIMELINE"]
     r, n = hvd.rank(), hvd.size()
     _check_any_order(r, n)
     _check_process_sets(r, n, even)
@@ -232,7 +266,10 @@ def _three_then_two(port_for_two: int) -> list[int]:
         channel.STORE_GATHER_MAX = 1  # this job of 2 negotiates over gloo instead
         hvd.init()
         _check_mismatches(r, 2)
+        hvd.start_timeline(str(traces / "started.json"), mark_cycles=True)
         _check_join(r, 2)
+        hvd.stop_timeline()
+        _check_timelines(r, traces / "env.json", traces / "started.json")
         _check_optimizer_branches(r, 2)
         _check_join_training(r, 2)
         _check_sync_batch_norm(r, 2)
@@ -243,8 +280,9 @@ def _three_then_two(port_for_two: int) -> list[int]:
 
 
 @pytest.mark.timeout(180)
-def test_negotiation_join_process_sets_and_sync_batch_norm() -> None:
-    assert run_ranks(_three_then_two, 3, free_port(), timeout=150) == [[3, 2], [3, 2], [3]]
+def test_negotiation_join_process_sets_sync_batch_norm_and_timeline(tmp_path: Path) -> None:
+    sizes = run_ranks(_three_then_two, 3, free_port(), tmp_path, timeout=150)
+    assert sizes == [[3, 2], [3, 2], [3]]
 
 
 def _request(name: str, kind: str = ALLREDUCE, shape: tuple = (2,), **fields) -> Request:

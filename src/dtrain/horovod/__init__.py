@@ -45,8 +45,6 @@ from dtrain.horovod.basics import (
     rank,
     rocm_built,
     size,
-    start_timeline,
-    stop_timeline,
 )
 from dtrain.horovod.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_
 from dtrain.horovod.compression import Compression, Compressor
@@ -75,6 +73,7 @@ from dtrain.horovod.reducescatter import (
 from dtrain.horovod.reduction import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from dtrain.horovod.session import init, shutdown
 from dtrain.horovod.sync_batch_norm import SyncBatchNorm
+from dtrain.horovod.timeline import start_timeline, stop_timeline
 
 __all__ = [
     "Adasum",

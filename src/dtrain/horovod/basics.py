@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,9 @@ class Context:
         sets: the registered process sets (`process_sets.Registry`).
         control_group: the gloo group the negotiation runs on (None for one process).
         counters: this process's unnamed operations so far, by kind and process set.
+        store, session: the job's store and this `init`'s number in it (None and 0 for
+            one process); keys of this session carry the number.
+        timelines: how many timelines this process has stopped (numbers their keys).
     """
 
     rank: int
@@ -55,6 +57,9 @@ class Context:
     sets: Any = None
     control_group: Any = None
     counters: dict = field(default_factory=dict)
+    store: Any = None
+    session: int = 0
+    timelines: int = 0
 
 
 _CONTEXT: Context | None = None
@@ -242,16 +247,3 @@ def ddl_built() -> bool:
 def ccl_built() -> bool:
     """False: oneCCL is not supported."""
     return False
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's timeline is not recorded yet; this warns and carries on."""
-    warnings.warn(
-        f"hvd.start_timeline({file_path!r}) records nothing yet: dtrain has no Horovod "
-        "timeline. The script goes on; remove the call to silence this warning.",
-        stacklevel=2,
-    )
-
-
-def stop_timeline() -> None:
-    """Counterpart of `start_timeline`; does nothing."""

@@ -26,17 +26,31 @@ from dtrain.horovod.channel import Channel
 from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError, MismatchError
 from dtrain.horovod.requests import JOIN, SHUTDOWN, Request, decode, encode
 from dtrain.horovod.table import Key, Response, Table
+from dtrain.horovod.timeline import Timeline
 
 
 class Operation:
     """One operation this process issued: its request, its local tensors, and, once the
     engine started it, the collectives to wait for and how to turn them into its result."""
 
-    __slots__ = ("request", "tensors", "started", "works", "_finish", "error", "_result", "_engine")
+    __slots__ = (
+        "request",
+        "tensors",
+        "issued",
+        "_seen_done",
+        "started",
+        "works",
+        "_finish",
+        "error",
+        "_result",
+        "_engine",
+    )
 
     def __init__(self, request: Request, tensors: Sequence[torch.Tensor], engine: Engine) -> None:
         self.request = request
         self.tensors = list(tensors)
+        self.issued = time.time()
+        self._seen_done: Callable[[], None] | None = None
         self.started = threading.Event()
         self.works: list[dist.Work] = []
         self._finish: Callable[[], Any] | None = None
@@ -48,6 +62,10 @@ class Operation:
         """Called by the engine once the collectives are under way."""
         self.works = [w for w in works if w is not None]
         self._finish = finish
+        timeline = self._engine.timeline
+        if timeline is not None and self.request.kind != SHUTDOWN:
+            request = self.request
+            self._seen_done = timeline.started(request.name, request.kind, self.issued, self.works)
         self.started.set()
 
     def fail(self, error: BaseException) -> None:
@@ -77,6 +95,8 @@ class Operation:
                     "may have died; check the other ranks' output."
                 )
                 raise self.error from e
+            if self._seen_done is not None:
+                self._seen_done()
             self._result = self._finish()
             self._finish, self.works = None, []
         return self._result
@@ -123,6 +143,8 @@ class Engine:
         self._rung = -1
         self._closed: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.timeline: Timeline | None = None
+        """Horovod's timeline while one records (`timeline.py`)."""
         if channel is not None:
             self._thread = threading.Thread(target=self._loop, name="hvd-negotiation", daemon=True)
             self._thread.start()
@@ -192,6 +214,7 @@ class Engine:
         try:
             while self._table.shutdown_by is None:
                 self._channel.wait(round_)
+                self._mark_cycle()
                 batch = self._drain(round_)
                 gathered = [
                     decode(p)
@@ -219,8 +242,14 @@ class Engine:
     def _round_here(self) -> None:
         """A one-process round, in the calling thread (one round at a time)."""
         with self._inline:
+            self._mark_cycle()
             batch = self._drain(self._round)
             self._decide([[op.request for op in batch]])
+
+    def _mark_cycle(self) -> None:
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.cycle()
 
     def _drain(self, round_: int) -> list[Operation]:
         with self._lock:

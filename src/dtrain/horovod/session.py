@@ -20,8 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dtrain import teardown
 from dtrain.config import Config
-from dtrain.horovod import basics
+from dtrain.horovod import basics, timeline
 from dtrain.horovod import channel as control
 from dtrain.horovod.basics import Context
 from dtrain.horovod.channel import Channel
@@ -72,6 +73,9 @@ def init(comm: object = None, process_sets: Sequence[ProcessSet] | str | None = 
     if not _EXIT_HOOKED:  # Horovod shuts down at exit too; once is enough
         atexit.register(shutdown)
         _EXIT_HOOKED = True
+    # dtrain's launcher ends its workers with os._exit, past atexit: it closes what the
+    # teardown registry holds instead.
+    teardown.close_at_exit(_AT_EXIT)
 
 
 def _start_group(rank: int, size: int, config: Config) -> None:
@@ -129,12 +133,27 @@ def _start_negotiation(ctx: Context, timeout_s: float, dynamic: bool) -> None:
         store = dist.distributed_c10d._get_default_store()
         session = (store.add("dtrain/horovod/sessions", 1) - 1) // ctx.size
         channel = Channel(store, ctx.control_group, ctx.rank, ctx.size, session)
+        ctx.store, ctx.session = store, session
     ctx.sets = Registry(ctx.rank, ctx.size, data, dynamic)
     fusion = int(_env_number(FUSION_VAR, DEFAULT_FUSION_BYTES, "67108864 (64 MiB)"))
     ctx.executor = Executor(ctx.rank, ctx.devices, ctx.sets.group_of, fusion)
     fail_s, warn_s = _stall_limits(timeout_s)
     run, plan = ctx.executor.run, ctx.executor.plan
     ctx.engine = Engine(ctx.rank, ctx.size, channel, run, plan, fail_s, warn_s)
+    ctx.engine.timeline = timeline.from_environment(ctx.rank)
+
+
+class _ShutdownAtExit:
+    """What dtrain's teardown registry closes at the end of a launched worker."""
+
+    def close(self, *, failed: bool = False) -> None:
+        """Shut down, unless the process ends on an error: then the others may be gone,
+        and the launcher stops them anyway, so nothing waits for them."""
+        if not failed:
+            shutdown()
+
+
+_AT_EXIT = _ShutdownAtExit()
 
 
 def shutdown() -> None:
@@ -144,6 +163,8 @@ def shutdown() -> None:
     ctx = basics.set_context(None)
     if ctx is None:
         return
+    teardown.forget(_AT_EXIT)
+    timeline.stop(ctx)
     stopped = ctx.engine.close()
     if not stopped:
         return  # a peer is gone mid-round: leave the groups to the end of the process

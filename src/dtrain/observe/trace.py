@@ -16,16 +16,21 @@ from typing import Any
 from dtrain.observe.breakdown import Span
 
 
+def process_names(rank: int, threads: dict[int, str]) -> list[dict[str, Any]]:
+    """The metadata events that name rank `rank`'s process ("rank R") and its threads
+    (tid -> name)."""
+    named = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
+    return named + [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+        for tid, name in threads.items()
+    ]
+
+
 def trace_events(spans_by_rank: list[list[Span]]) -> list[dict[str, Any]]:
     """The trace events of every rank's spans, with a name for each rank's process."""
     events: list[dict[str, Any]] = []
     for rank, spans in enumerate(spans_by_rank):
-        events.append(
-            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
-        )
-        events.append(
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "train"}}
-        )
+        events += process_names(rank, {0: "train"})
         events += [
             {
                 "name": phase,
@@ -42,12 +47,16 @@ def trace_events(spans_by_rank: list[list[Span]]) -> list[dict[str, Any]]:
     return events
 
 
-def write_trace(path: str | Path, spans_by_rank: list[list[Span]]) -> Path:
-    """Write the trace to `path` atomically (a reader never sees half a file)."""
+def write_events(path: str | Path, events: list[dict[str, Any]]) -> Path:
+    """Write trace `events` to `path` atomically (a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    document = {"traceEvents": trace_events(spans_by_rank), "displayTimeUnit": "ms"}
-    partial.write_text(json.dumps(document))
+    partial.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     partial.replace(path)
     return path
+
+
+def write_trace(path: str | Path, spans_by_rank: list[list[Span]]) -> Path:
+    """Write the trace of every rank's step spans to `path`."""
+    return write_events(path, trace_events(spans_by_rank))
