@@ -497,6 +497,7 @@ class Engine:
                 summary["memory"] = self.memory_report()
         if self.position.samples_per_step:
             summary["global_batch_size"] = self.position.samples_per_step
+        rate = self.throughput.samples_per_second
         metrics_path = self.report.finish(
             {
                 **summary,
@@ -504,12 +505,14 @@ class Engine:
                 "world_size": self.world_size,
                 "steps": self.step,
                 "train_loss": self._watch.last,
-                "samples_per_second": self.throughput.samples_per_second,
+                "samples_per_second": rate,
             }
         )
         if self.step:
             self.print(
-                f"dtrain: {self.step} steps, {self.throughput.samples_per_second:,.0f} samples/s"
+                f"dtrain: {self.step} steps"
+                # counted over the batches `engine.progress` yields: a loop without it has none
+                + (f", {rate:,.0f} samples/s" if self.throughput.seconds else "")
                 + (
                     f", last checkpoint {self.checkpoints.last_path}"
                     if self.checkpoints.last_path
