@@ -16,6 +16,9 @@ from dtrain.errors import ConfigError
 
 BOUND = 0.05  # the tiny GPT's gradient norm is well above this at every step
 RUN = {"model_name": "gpt", "steps": 3, "optimizer_name": "sgd"}
+# Its gradients fill two DDP buckets (DDP's first holds 1 MiB), which once deadlocked
+# --hierarchical.
+SMALL = {"model_name": "gpt:small", "steps": 2, "optimizer_name": "sgd"}
 WORLD_2 = ("ddp", "zero1", "zero2", "zero3", "pipeline", "tensor")
 
 
@@ -27,7 +30,7 @@ def references() -> dict[str, dict[str, torch.Tensor]]:
     assert_close(clipped, by_torch)
     unclipped = train(strategy="single", **RUN)
     assert any(not torch.allclose(clipped[k], unclipped[k]) for k in clipped), "never clipped"
-    return {"clipped": clipped, "unclipped": unclipped}
+    return {"clipped": clipped, "unclipped": unclipped, "small": train(strategy="single", **SMALL)}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +58,11 @@ def test_four_process_layouts_clip_as_single(
 ) -> None:
     """Pipeline x tensor stages, data-parallel replicas of tensor shards, and hsdp (two
     replicas of a model sharded over two ranks), which also trains as single unclipped,
-    as does ddp averaging inside two machines of two ranks first (--hierarchical)."""
+    as does ddp averaging inside two machines of two ranks first (--hierarchical), on a
+    model of one DDP bucket and on one of two."""
     variants = [
         {"strategy": "ddp", "hierarchical": True, "nproc": 2, **RUN},  # 2 machines x 2
+        {"strategy": "ddp", "hierarchical": True, "nproc": 2, **SMALL},
         {"strategy": "hsdp", "shard_size": 2, **RUN},
         {"strategy": "hsdp", "shard_size": 2, "clip_grad_norm": BOUND, **RUN},
         {"strategy": "hybrid", "pp": 2, "tp": 2, "clip_grad_norm": BOUND, **RUN},
@@ -73,6 +78,8 @@ def test_four_process_layouts_clip_as_single(
     results = run_ranks(train_variants, 4, variants, timeout=280)[0]
     for variant, params in zip(variants, results, strict=True):
         expected = references["clipped" if "clip_grad_norm" in variant else "unclipped"]
+        if variant["model_name"] == "gpt:small":
+            expected = references["small"]
         assert_close(params, expected, msg=lambda m, v=variant: f"{v}: {m}")
 
 

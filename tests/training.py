@@ -48,7 +48,8 @@ def train(
 ) -> Any:
     """Train `steps` steps under `options` (given to dtrain.init); return the parameters
     (on the main rank; None on the others). `model_name`: "mlp" (a small digits MLP),
-    "gpt" (the tiny GPT), or "bundled:NAME" (a bundled digits model at its shipped size).
+    "gpt" (the tiny GPT), "gpt:SIZE" (a GPT of another bundled size), or "bundled:NAME" (a
+    bundled digits model at its shipped size).
 
     With `with_report`, return (parameters, the strategy's report) instead. With `manual`,
     step by hand (``engine.backward(loss); optimizer.step(); optimizer.zero_grad()``).
@@ -62,8 +63,8 @@ def train(
     another run in the same processes.
     """
     engine = dtrain.init(seed=0, **options)
-    if model_name == "gpt":
-        model: torch.nn.Module = GPT(SIZES["tiny"])
+    if model_name.startswith("gpt"):
+        model: torch.nn.Module = GPT(SIZES[model_name.partition(":")[2] or "tiny"])
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         train_set, _ = load_text(context=model.config.context)
         loss_fn = lm_loss
