@@ -104,7 +104,13 @@ def test_a_small_run_writes_the_table_plots_and_logs(
             "None of the configurations can run: single x2: Strategy 'single' runs in one process",
         ),
         (["--strategies", "ddp", "--nproc", "1,0"], "'0' is not one."),
-        (["--strategies", "ddp", "--hosts", "a:2,b:2"], "--hosts is not supported yet"),
+        (["--strategies", "ddp", "--hosts", "a:2,b:2"], "--nproc sets how many processes"),
+        (["--strategies", "ddp", "--hosts", "a,a"], "lists a machine more than once"),
+        (["--strategies", "ddp", "--ssh-port", "2222"], "give --hosts too"),
+        (
+            ["--strategies", "hsdp", "--nproc", "1", "--hosts", "a,b,c"],
+            "at least 2 and divide the 3 processes",
+        ),
         (["--strategies", "ddp", "--nproc", "2", "--global-batch-size", "3"], "does not divide"),
         (["--nproc", "2"], "give --strategies, e.g. --strategies single,ddp"),
     ],
@@ -204,3 +210,17 @@ def test_rows_take_medians_and_the_breakdown_mean_over_ranks(tmp_path: Path) -> 
         written, missing = plots.draw([one, two], tmp_path, "synthetic", "steady")
         assert not missing and (tmp_path / "breakdown.png").read_bytes().startswith(PNG_SIGNATURE)
         assert len(written) == 4
+
+
+def test_trials_across_hosts_start_every_machine_with_its_processes(tmp_path: Path) -> None:
+    """With --hosts, a trial is one `-H` job (its --nproc processes on each machine, over
+    ssh with the bench's ssh flags), and its row counts every machine's processes."""
+    args = cli.build_parser().parse_args(
+        ["bench", "--strategies", "ddp", "--hosts", "a,b", "--ssh-port", "2222"]
+    )
+    workload = Workload.from_args(args)
+    command = workload.command("ddp", 2, 0, tmp_path)
+    at = command.index("-H")
+    assert command[at : at + 4] == ["-H", "a:2,b:2", "--ssh-port", "2222"]
+    assert "--nproc" not in command
+    workload.check("ddp", 2)  # 4 processes: the default global batch of 64 divides

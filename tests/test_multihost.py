@@ -176,43 +176,51 @@ def test_one_command_over_ssh_starts_both_hosts_and_equals_one_process(
 ) -> None:
     """`dtrain run -H dt-h1:1,dt-h2:1` on dt-h1 logs in to both hosts (an sshd in each
     namespace), trains as one process, and leaves nothing running on either host; so does
-    `horovodrun -H` with a Horovod script."""
+    `horovodrun -H` with a Horovod script, and `dtrain bench --hosts` runs its trial on
+    both."""
     if why_no_sshd():
         pytest.skip(why_no_sshd())
     daemons = [
         start_sshd(tmp_path / "sshd", host.address, 22, netns=host.netns) for host in hosts.hosts
     ]
+    key = str(daemons[0].identity)
+
+    def on_first_host(command: list[str]) -> str:
+        """Run `command` on dt-h1 with ssh set up; its output, once it succeeded."""
+        proc = hosts.popen(
+            hosts.hosts[0],
+            command,
+            cwd=tmp_path,
+            env={**_env(), **ssh_environment(daemons[0])},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        output = proc.communicate(timeout=150)[0]
+        assert proc.returncode == 0, output[-3000:]
+        return output
+
     try:
         script, result = tmp_path / "job.py", tmp_path / "params.safetensors"
         script.write_text(JOB)
-        flags = ("-H", "dt-h1:1,dt-h2:1", "--ssh-identity", str(daemons[0].identity))
-        head = hosts.popen(
-            hosts.hosts[0],
-            _command("run", *flags, "--strategy", "ddp", "--timeout", "60", str(script),
-                     str(result), json.dumps([{}])),
-            cwd=tmp_path,
-            env={**_env(), **ssh_environment(daemons[0])},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+        output = on_first_host(
+            _command("run", "-H", "dt-h1:1,dt-h2:1", "--ssh-identity", key, "--strategy", "ddp",
+                     "--timeout", "60", str(script), str(result), json.dumps([{}]))
         )  # fmt: skip
-        output = head.communicate(timeout=150)[0]
-        assert head.returncode == 0, output[-3000:]
         assert "[dt-h1] [rank 0]" in output
         assert_close(safetensors.torch.load_file(f"{result}.0"), single)
         example = Path(__file__).parents[1] / "examples" / "horovod_synthetic_benchmark.py"
-        horovodrun = hosts.popen(
-            hosts.hosts[0],
+        output = on_first_host(
             [sys.executable, "-m", "dtrain.horovod.run", "-np", "2", "-H", "dt-h1:1,dt-h2:1",
-             "-i", str(daemons[0].identity), "python", str(example), "--num-iters", "1",
-             "--hidden", "64"],
-            cwd=tmp_path,
-            env={**_env(), **ssh_environment(daemons[0])},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+             "-i", key, "python", str(example), "--num-iters", "1", "--hidden", "64"]
         )  # fmt: skip
-        output = horovodrun.communicate(timeout=150)[0]
-        assert horovodrun.returncode == 0, output[-3000:]
         assert "Total samples/sec on 2 process(es)" in output
+        on_first_host(
+            _command("bench", "--strategies", "ddp", "--nproc", "1", "--hosts", "dt-h1,dt-h2",
+                     "--ssh-identity", key, "--repeats", "1", "--steps", "5", "--out",
+                     str(tmp_path / "bench"))
+        )  # fmt: skip
+        (row,) = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"]
+        assert (row["processes"], row["status"]) == (2, "ok"), row
         daemon_pids = {str(d.process.pid) for d in daemons}
         for host in hosts.hosts:
             pids = subprocess.run(

@@ -67,7 +67,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--hosts",
         default=None,
-        help="Machines to spread the trials over; not supported yet (one machine only).",
+        help="Comma-separated machines (names ssh reaches, as for `dtrain run -H`): every "
+        "trial runs its --nproc processes on each of them, started from here over ssh, and "
+        "the table counts the processes of all of them.",
+    )
+    grid.add_argument(
+        "--ssh-port", type=int, default=None, help="The port sshd listens on, on every host."
+    )
+    grid.add_argument(
+        "--ssh-identity", default=None, help="The private key ssh logs in with, on every host."
     )
     grid.add_argument(
         "--repeats",
@@ -135,13 +143,28 @@ def parse_counts(text: str) -> list[int]:
     return sorted(counts)
 
 
+def parse_hosts(text: str | None) -> tuple[str, ...]:
+    """The machine names of ``--hosts a,b`` (none: this machine alone)."""
+    if not text:
+        return ()
+    names = [part.strip() for part in text.split(",")]
+    if not all(names) or any(":" in name or " " in name for name in names):
+        raise ConfigError(
+            f"--hosts takes comma-separated machine names, got {text!r}; --nproc sets how "
+            "many processes each machine runs, so write e.g. --hosts node-a,node-b."
+        )
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--hosts lists a machine more than once ({text!r}); list each once.")
+    return tuple(names)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Reject flag combinations `dtrain bench` cannot run, before anything starts."""
-    if args.hosts:
+    parse_hosts(args.hosts)
+    if (args.ssh_port is not None or args.ssh_identity) and not args.hosts:
         raise ConfigError(
-            "dtrain bench runs on one machine for now; --hosts is not supported yet. Drop "
-            "--hosts and run the bench on each machine, or compare layouts across machines "
-            "with `dtrain run --nnodes` by hand."
+            "--ssh-port and --ssh-identity reach the machines of --hosts; give --hosts too, "
+            "or drop them to bench this machine alone."
         )
     if args.script is not None:
         if args.model is not None:

@@ -34,7 +34,7 @@ from dtrain.bench.trial import TrialResult, Workload, run_trial
 from dtrain.errors import ConfigError
 
 Layout = tuple[str, int]
-"""A configuration: (strategy, processes)."""
+"""A configuration: (strategy, processes per machine)."""
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -51,8 +51,10 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             + " Choose strategies and process counts that fit together."
         )
     total = len(runnable) * args.repeats
+    machines = ", ".join(workload.hosts)
+    where = f"; on each of {machines} over ssh" if machines else ""
     print(
-        f"dtrain bench: {workload.description}\n"
+        f"dtrain bench: {workload.description}{where}\n"
         f"{len(runnable)} configuration(s) x {args.repeats} repeat(s) = {total} trials, "
         f"taken in turn; {len(skipped)} skipped"
         + "".join(f"\n  skipped {r.label}: {r.note}" for r in skipped.values()),
@@ -67,7 +69,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
             if key in skipped:
                 rows.append(skipped[key])
             else:
-                rows.append(summarise(strategy, nproc, results[key], basis))
+                world = nproc * workload.machines
+                rows.append(summarise(strategy, world, results[key], basis))
     add_scaling_efficiency(rows)
     meta = describe_run(workload, args, argv) | {"samples_per_second": BASES[basis]}
     csv_path, json_path = write_table(rows, args.out, meta)
@@ -91,7 +94,8 @@ def sort_grid(
             try:
                 workload.check(strategy, nproc)
             except ConfigError as e:
-                skipped[(strategy, nproc)] = skipped_row(strategy, nproc, str(e))
+                world = nproc * workload.machines
+                skipped[(strategy, nproc)] = skipped_row(strategy, world, str(e))
             else:
                 runnable.append((strategy, nproc))
     return runnable, skipped
@@ -183,6 +187,7 @@ def describe_run(workload: Workload, args: argparse.Namespace, argv: list[str]) 
     return {
         "command": "dtrain " + shlex.join(argv),
         "workload": workload.description,
+        "hosts": list(workload.hosts),
         "repeats": args.repeats,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.bench import proctree
-from dtrain.bench.bench_flags import DEFAULT_STEPS
+from dtrain.bench.bench_flags import DEFAULT_STEPS, parse_hosts
 
 GRACE_SECONDS = 20.0
 """How long a trial stopped for its time limit has to end its workers before they are
@@ -40,12 +40,29 @@ class Workload:
     demo_flags: tuple[str, ...] = ()
     """`dtrain demo` flags of the model's training (size, batch, optimizer, steps)."""
     global_batch_size: int | None = None
+    hosts: tuple[str, ...] = ()
+    """Machines every trial runs on (its --nproc processes on each), over ssh; empty: this
+    machine alone."""
+    ssh_flags: tuple[str, ...] = ()
+    """`--ssh-port`/`--ssh-identity` for the trials' launcher."""
+
+    @property
+    def machines(self) -> int:
+        """How many machines each trial spans."""
+        return max(1, len(self.hosts))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Workload:
         """The workload the `dtrain bench` flags describe (default: the digits MLP)."""
+        ssh = []
+        if args.ssh_port is not None:
+            ssh += ["--ssh-port", str(args.ssh_port)]
+        if args.ssh_identity:
+            ssh += ["--ssh-identity", args.ssh_identity]
+        where = {"hosts": parse_hosts(args.hosts), "ssh_flags": tuple(ssh)}
         if args.script is not None:
-            return cls(None, args.script.resolve(), tuple(shlex.split(args.script_args)))
+            script_args = tuple(shlex.split(args.script_args))
+            return cls(None, args.script.resolve(), script_args, **where)
         model = args.model or "mlp"
         flags = ["--model", model, "--steps", str(args.steps or DEFAULT_STEPS)]
         for flag, value in (
@@ -55,7 +72,9 @@ class Workload:
         ):
             if value is not None:
                 flags += [flag, str(value)]
-        return cls(model, demo_flags=tuple(flags), global_batch_size=args.global_batch_size)
+        return cls(
+            model, demo_flags=tuple(flags), global_batch_size=args.global_batch_size, **where
+        )
 
     @property
     def description(self) -> str:
@@ -65,12 +84,16 @@ class Workload:
         return "dtrain demo " + " ".join(self.demo_flags)
 
     def check(self, strategy: str, nproc: int) -> None:
-        """Raise ConfigError if `strategy` cannot run on `nproc` processes (with this
-        model's global batch), as the launcher would before starting anything."""
+        """Raise ConfigError if `strategy` cannot run on `nproc` processes per machine (with
+        this model's global batch), as the launcher would before starting anything."""
         from dtrain.config import Config
+        from dtrain.launch.hosts import as_nodes, hosts_of
         from dtrain.strategies import lookup
 
-        config = Config(strategy=strategy, nproc=nproc)
+        config = Config(strategy=strategy, nproc=nproc, hosts=self._host_slots(nproc))
+        machines = hosts_of(config)
+        if machines is not None:
+            config = as_nodes(config, machines)
         cls = lookup(config.strategy)
         cls.check_launch(config)
         cls.check_options(config)
@@ -86,8 +109,10 @@ class Workload:
     def command(self, strategy: str, nproc: int, seed: int, scratch: Path) -> list[str]:
         """The `dtrain` command line of one trial; its metrics go to scratch/metrics.json
         and its outputs (checkpoints, logs) below `scratch`."""
+        slots = self._host_slots(nproc)  # -H gives each machine its processes
+        where = ["-H", ",".join(slots), *self.ssh_flags] if slots else ["--nproc", str(nproc)]
         layout = [
-            "--strategy", strategy, "--nproc", str(nproc), "--seed", str(seed),
+            "--strategy", strategy, *where, "--seed", str(seed),
             "--memory-report", "--metrics-json", str(scratch / "metrics.json"),
             "--out", str(scratch / "out"),
         ]  # fmt: skip
@@ -95,6 +120,9 @@ class Workload:
         if self.script is None:
             return [*dtrain, "demo", *layout, *self.demo_flags]
         return [*dtrain, "run", *layout, str(self.script), *self.script_args]
+
+    def _host_slots(self, nproc: int) -> list[str] | None:
+        return [f"{host}:{nproc}" for host in self.hosts] or None
 
 
 @dataclass
