@@ -66,6 +66,10 @@ class Stopped(DtrainError):
         self.exit_code = 128 + int(signum)
 
 
+JOB_FAILED = "the job failed."
+"""The line that opens a failed job's report (the ssh head finds each host's report by it)."""
+
+
 def exit_report(error: DtrainError | KeyboardInterrupt) -> tuple[str, int]:
     """(the line to print, the exit code) a command ends with on `error`: 2 for bad
     input, the workers' own code for a failed job, 128 + the signal when stopped, 1 for
@@ -76,7 +80,7 @@ def exit_report(error: DtrainError | KeyboardInterrupt) -> tuple[str, int]:
     if isinstance(error, ConfigError):
         return f"error: {error}", 2
     if isinstance(error, LaunchError):
-        return f"the job failed.\n{error}", error.exit_code
+        return f"{JOB_FAILED}\n{error}", error.exit_code
     if isinstance(error, Stopped):
         return str(error), error.exit_code
     return f"error: {error}", 1

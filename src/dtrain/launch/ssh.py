@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict
 
 from dtrain.config import Config
-from dtrain.errors import ConfigError, LaunchError, Stopped
+from dtrain.errors import JOB_FAILED, ConfigError, LaunchError, Stopped
 from dtrain.launch.hosts import Host, as_nodes
 
 SSH_OPTIONS_VAR = "DTRAIN_SSH_OPTS"
@@ -214,7 +214,7 @@ def _failure(session: _Session, config: Config) -> str:
             "and that the working directory and Python interpreter exist there."
         )
     report = next(
-        (session.tail[i + 1 :] for i, line in enumerate(session.tail) if "job failed" in line),
+        (session.tail[i + 1 :] for i, line in enumerate(session.tail) if JOB_FAILED in line),
         [],
     )
     return (

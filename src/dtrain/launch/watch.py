@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from dtrain.errors import JOB_FAILED
+
 PROBE_EVERY_S = 1.0
 
 
@@ -54,7 +56,7 @@ def rendezvous_host_watched(
     done = threading.Event()
 
     def lost() -> None:
-        print(f"dtrain: the job failed.\n{message()}", file=sys.stderr, flush=True)
+        print(f"dtrain: {JOB_FAILED}\n{message()}", file=sys.stderr, flush=True)
         os._exit(1)  # the agent's main thread is stuck in a read that nothing can interrupt
 
     watcher = threading.Thread(
