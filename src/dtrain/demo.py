@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ckpt_root = args.out / "checkpoints"
     if args.resume or engine.restart_count > 0:
         if engine.restart_count:
-            engine.print(f"dtrain: restart {engine.restart_count} after a failure; resuming.")
+            engine.print(
+                f"dtrain: the launcher restarted the workers (restart {engine.restart_count}: a "
+                "process failed, or machines joined or left); resuming from the last checkpoint."
+            )
         resume_from(engine, ckpt_root)
     max_steps = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     engine.print(
