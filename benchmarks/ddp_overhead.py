@@ -3,7 +3,8 @@
 Both loops run in the same processes, alternating, `--repeats` times; each run trains
 `--steps` steps from a fresh model and is timed from the first to the last step (after
 `--warmup` untimed steps). Prints samples/s of each run and the median ratio
-dtrain / plain (goal: >= 0.98, no measurable overhead).
+dtrain / plain (goal: >= 0.98, no measurable overhead), then the same per CPU-second of
+rank 0 (its work per sample, all threads, whatever the machine's load did to wall time).
 
     python benchmarks/ddp_overhead.py --nproc 2 --repeats 7
 """
@@ -15,7 +16,7 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import alternate, arguments, launch, report, timed
+from harness import alternate, arguments, launch, report, timed_with_cpu
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -31,8 +32,18 @@ def make_data(samples: int) -> TensorDataset:
     return TensorDataset(images, labels)
 
 
-def plain_run(args: argparse.Namespace, data: TensorDataset) -> float:
-    """samples/s of the loop a user writes by hand with torch DDP."""
+Rates = tuple[float, float]
+"""(samples per wall second, samples per CPU second of this rank)."""
+
+
+def rates(args: argparse.Namespace, seconds: tuple[float, float]) -> Rates:
+    """The rates of a run of `args.steps` global batches that took `seconds`."""
+    samples = args.steps * args.global_batch_size
+    return samples / seconds[0], samples / seconds[1]
+
+
+def plain_run(args: argparse.Namespace, data: TensorDataset) -> Rates:
+    """Rates of the loop a user writes by hand with torch DDP."""
     torch.manual_seed(0)
     model = DistributedDataParallel(build(args.model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -47,29 +58,28 @@ def plain_run(args: argparse.Namespace, data: TensorDataset) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    seconds = timed(loader, step, args.warmup, args.steps)
-    return args.steps * args.global_batch_size / seconds
+    return rates(args, timed_with_cpu(loader, step, args.warmup, args.steps))
 
 
-def dtrain_run(args: argparse.Namespace, data: TensorDataset) -> float:
-    """samples/s of the same job through dtrain's Engine (strategy ddp)."""
+def dtrain_run(args: argparse.Namespace, data: TensorDataset) -> Rates:
+    """Rates of the same job through dtrain's Engine (strategy ddp)."""
     engine = dtrain.init(strategy="ddp")
     model = build(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model, optimizer = engine.setup(model, optimizer)
     loader = engine.dataloader(data, batch_size=args.global_batch_size // engine.dp_size)
     batches = engine.progress(loader, epoch=0)
-    seconds = timed(
+    seconds = timed_with_cpu(
         batches, lambda b: engine.train_step(b, F.cross_entropy), args.warmup, args.steps
     )
     batches.close()
     del model
     engine.strategy.close()
-    return args.steps * args.global_batch_size / seconds
+    return rates(args, seconds)
 
 
-def worker(args: argparse.Namespace) -> list[tuple[float, float]]:
-    """Alternate plain and dtrain runs; return (plain, dtrain) samples/s per repeat."""
+def worker(args: argparse.Namespace) -> list[tuple[Rates, Rates]]:
+    """Alternate plain and dtrain runs; return (plain, dtrain) rates per repeat."""
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     data = make_data((args.warmup + args.steps + 1) * args.global_batch_size)
@@ -81,11 +91,12 @@ def main() -> None:
     parser.add_argument("--model", default="cnn")
     args = parser.parse_args()
     pairs = launch(args.nproc, worker, args)[0]
-    report(
+    title = (
         f"model {args.model}, world size {args.nproc}, global batch {args.global_batch_size}, "
-        f"{args.steps} steps per run, {args.repeats} repeats (peer: plain PyTorch DDP)",
-        pairs,
+        f"{args.steps} steps per run, {args.repeats} repeats (peer: plain PyTorch DDP)"
     )
+    report(title, [(peer[0], ours[0]) for peer, ours in pairs])
+    report(title, [(peer[1], ours[1]) for peer, ours in pairs], "samples/CPU-s")
 
 
 if __name__ == "__main__":

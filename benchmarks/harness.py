@@ -12,10 +12,12 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+R = TypeVar("R")
 
 
 def arguments(
@@ -51,20 +53,28 @@ def launch(nproc: int, worker: Callable[..., Any], *args: Any) -> list[Any]:
 
 def timed(batches: Iterable[Any], step: Callable[[Any], Any], warmup: int, steps: int) -> float:
     """Seconds for `steps` calls of step(batch) after `warmup` untimed ones (all ranks)."""
+    return timed_with_cpu(batches, step, warmup, steps)[0]
+
+
+def timed_with_cpu(
+    batches: Iterable[Any], step: Callable[[Any], Any], warmup: int, steps: int
+) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds, all its threads) for `steps` calls of
+    step(batch) after `warmup` untimed ones (all ranks). CPU time counts the work a loop
+    does and not the time it waited for a core, so on a machine other jobs share it tells
+    apart two loops that wall time cannot."""
     it = iter(batches)
     for _ in range(warmup):
         step(next(it))
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step(next(it))
     dist.barrier()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def alternate(
-    repeats: int, peer: Callable[[], float], ours: Callable[[], float]
-) -> list[tuple[float, float]]:
+def alternate(repeats: int, peer: Callable[[], R], ours: Callable[[], R]) -> list[tuple[R, R]]:
     """(peer, ours) results of `repeats` rounds, the first runner alternating each round."""
     pairs = []
     for repeat in range(repeats):
