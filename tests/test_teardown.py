@@ -33,12 +33,12 @@ engine.print(engine.evaluate(test_loader, F.cross_entropy))
 @pytest.mark.timeout(300)
 def test_a_script_without_close_exits_cleanly_every_time(tmp_path: Path) -> None:
     """Before the exit handler, 3 runs in 10 of this script died of SIGABRT after all
-    their work (a DDP object alive at interpreter exit on gloo): 3 runs would have caught
-    that with probability 0.66 (kept to 3 for the suite's time budget; every other
+    their work (a DDP object alive at interpreter exit on gloo): 2 runs would have caught
+    that with probability 0.51 (kept to 2 for the suite's time budget; every other
     multi-process test of the suite exits through the same handler)."""
     script = tmp_path / "train.py"
     script.write_text(QUICKSTART)
-    for strategy, runs in (("ddp", 2), ("zero3", 1)):
+    for strategy, runs in (("ddp", 1), ("zero3", 1)):
         for run in range(runs):
             proc = run_cli("run", "--strategy", strategy, "--nproc", "2", str(script), cwd=tmp_path)
             assert proc.returncode == 0, f"{strategy} run {run}: {proc.stderr[-2000:]}"
