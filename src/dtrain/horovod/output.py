@@ -56,10 +56,16 @@ def _tee(stream: object, path: Path, fresh: bool) -> Callable[[], None]:
     fd = stream.fileno()  # type: ignore[attr-defined]
     stream.flush()  # type: ignore[attr-defined]
     original = os.dup(fd)
-    # -i: Ctrl-C stops the job, not the copy of its last lines.
-    command = ["tee", "-i"] if fresh else ["tee", "-i", "-a"]
+    command = ["tee"] if fresh else ["tee", "-a"]
+    # A session of its own: the signals that stop the job's process group (Ctrl-C, the
+    # agent's SIGTERM) do not cut the copy of its last lines; the tee ends when the pipe
+    # closes, once this process and its children are gone.
     tee = subprocess.Popen(
-        [*command, str(path)], stdin=subprocess.PIPE, stdout=original, close_fds=True
+        [*command, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=original,
+        close_fds=True,
+        start_new_session=True,
     )
     assert tee.stdin is not None
     os.dup2(tee.stdin.fileno(), fd)
