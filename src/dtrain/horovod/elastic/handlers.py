@@ -25,8 +25,8 @@ class Handler:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self.saved: dict[str, Any] = {}
-        self.save()
+        # A plain copy, even for samplers: no collective while the state is being built.
+        self.saved: dict[str, Any] = copy.deepcopy(value.state_dict())
 
     def save(self) -> None:
         """Copy the live object's state dict (tensors stay on their device)."""

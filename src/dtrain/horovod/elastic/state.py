@@ -41,6 +41,7 @@ class State:
         self._reset_callbacks: list[Callable[[], None]] = []
         self._number = next(_numbers)
         self._commits = 0
+        self._looked_for_commit = False
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Run `callbacks` after every reset: on dtrain, when a restarted worker group takes
@@ -99,7 +100,11 @@ class State:
 
     def resume(self) -> durable.Commit | None:
         """Restore this state from its last commit in the job's elastic folder, if any, and
-        return that commit (None: nothing committed yet; nothing changed)."""
+        return that commit (None: nothing committed yet; nothing changed). Only the first
+        call in a process looks: later ones (the function run again) return None."""
+        if self._looked_for_commit:
+            return None
+        self._looked_for_commit = True
         found = durable.read(self._number)
         if found is not None:
             self._commits = found.number
