@@ -168,8 +168,12 @@ def target_of(command: list[str]) -> Target:
 
 
 def _hosts_of(args: argparse.Namespace) -> list[Host] | None:
-    given = [flag for flag, value in (("-H", args.hosts), ("--hostfile", args.hostfile),
-             ("--host-discovery-script", args.host_discovery_script)) if value]  # fmt: skip
+    sources = {
+        "-H": args.hosts,
+        "--hostfile": args.hostfile,
+        "--host-discovery-script": args.host_discovery_script,
+    }
+    given = [flag for flag, value in sources.items() if value]
     if len(given) > 1:
         raise ConfigError(f"Give only one of {' and '.join(given)}; they all name the hosts.")
     if args.host_discovery_script:
