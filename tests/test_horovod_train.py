@@ -214,7 +214,7 @@ def test_import_horovod_torch_is_dtrain_horovod() -> None:
         (["-np", "3", "-H", "node-a:1,node-b:2", "python", "x.py"], "different numbers of slots"),
         (["-np", "2", "--mpi", "python", "x.py"], "MPI"),
         (["-np", "3", "-H", "localhost:2", "python", "x.py"], "more processes than the 2 slot"),
-        (["-np", "2", "--min-np", "1", "python", "x.py"], "Elastic runs"),
+        (["-np", "3", "--min-np", "1", "--max-np", "2", "python", "x.py"], "outside --min-np"),
         (["-np", "2"], "Give the command"),
         (["-np", "2", "python", "no_such_script.py"], "does not exist"),
         (["-np", "2", "./train.sh"], "runs Python scripts"),

@@ -9,6 +9,7 @@ processes, as in Horovod (see `engine.py`).
 
 from __future__ import annotations
 
+from dtrain.horovod import elastic
 from dtrain.horovod.allgather import (
     allgather,
     allgather_async,
@@ -113,6 +114,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

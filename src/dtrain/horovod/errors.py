@@ -35,3 +35,19 @@ class MismatchError(HorovodUsageError, HorovodInternalError):
     """The processes disagree about an operation of one name (shape, dtype, op, root...).
     Raised on every process that issued it; both a ValueError (a usage error, as dtrain
     reports them) and a HorovodInternalError (what Horovod raises for it)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod raises this from `state.commit()` when hosts were added or removed, to bring
+    every worker back to `hvd.elastic.run`'s sync point. dtrain never raises it: a change of
+    machines restarts the worker group instead (see docs/horovod.md, "Elastic training");
+    it exists so that scripts naming it import and run unchanged."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("The hosts of the job changed; the workers meet again.")
+        self.skip_sync = skip_sync
+
+
+class PeerLostError(DtrainError):
+    """`hvd.elastic.run`: a collective failed inside the training function (a peer died);
+    this process ends so that the launcher restarts the group from the last commit."""

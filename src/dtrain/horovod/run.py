@@ -1,22 +1,27 @@
 """``horovodrun``: Horovod's launcher, on dtrain's.
 
     horovodrun -np N [-H host:slots,... | --hostfile F] [-p PORT] [-i KEY] python script.py ARGS
+    horovodrun -np N --min-np A --max-np B [--reset-limit R] python elastic_script.py
 
 It starts N processes through dtrain's launcher (torch's elastic agent, which names a
 failing rank with its traceback and stops the others): on this machine, or, when the hosts
 name other machines, on every host over ssh (dtrain's -H launch: every slot runs a
 process). Each runs the script after setting Horovod's variables (HOROVOD_RANK,
 HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK,
-HOROVOD_CROSS_SIZE, HOROVOD_HOSTNAME). MPI and elastic runs are refused; each refusal
-says what to use instead.
+HOROVOD_CROSS_SIZE, HOROVOD_HOSTNAME). Elastic runs restart the worker group after a
+failure (see `dtrain.horovod.elastic.horovodrun`). MPI is refused, saying what to use.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,7 +29,17 @@ import torch
 from dtrain.config import Config
 from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.horovod import basics
+from dtrain.horovod.elastic import durable
+from dtrain.horovod.elastic.horovodrun import (
+    check_counts,
+    discover_hosts,
+    is_elastic,
+    local_processes,
+    machine_range,
+    reset_limit,
+)
 from dtrain.horovod.hosts import Host, local_names, parse_hostfile, parse_hosts, this_machine
+from dtrain.horovod.output import OUTPUT_VAR
 from dtrain.launch.hosts import hosts_of
 from dtrain.launch.runner import Target, launch
 
@@ -38,11 +53,6 @@ _REFUSED = {
     "NCCL on GPUs, like horovodrun --gloo).",
     "jsrun": "--jsrun asks for IBM's jsrun, which dtrain does not use; drop it to launch "
     "with dtrain's launcher.",
-    "min_np": "Elastic runs (--min-np, --max-np, --host-discovery-script, --slots-per-host) "
-    "are not supported yet; drop those flags and give -np, or use `dtrain run "
-    "--max-restarts R` to restart a failed job from its last checkpoint.",
-    "output_filename": "--output-filename is not supported yet; drop it and redirect "
-    "horovodrun's output (horovodrun ... > log.txt 2>&1).",
 }
 _ACCEPTED_KNOBS = {
     "cycle_time_ms": "HOROVOD_CYCLE_TIME",
@@ -83,14 +93,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-cache", action="store_true", help="Accepted.")
     parser.add_argument("--check-build", action="store_true", help="Print what is supported.")
     parser.add_argument("--log-level", help="Sets HOROVOD_LOG_LEVEL for the processes.")
-    parser.add_argument("--fusion-threshold-mb", type=float, help="Accepted; no effect yet.")
-    parser.add_argument("--cycle-time-ms", type=float, help="Accepted; no effect yet.")
-    parser.add_argument("--cache-capacity", type=int, help="Accepted; no effect yet.")
-    parser.add_argument("--timeline-filename", help="Accepted; no timeline is written yet.")
-    parser.add_argument("--output-filename", help="Refused for now.")
-    for flag in ("--min-np", "--max-np", "--slots-per-host"):
-        parser.add_argument(flag, type=int, help="Refused: elastic runs come later.")
-    parser.add_argument("--host-discovery-script", help="Refused: elastic runs come later.")
+    parser.add_argument(
+        "--fusion-threshold-mb", type=float, help="Sets HOROVOD_FUSION_THRESHOLD (in bytes)."
+    )
+    parser.add_argument("--cycle-time-ms", type=float, help="Accepted; not read.")
+    parser.add_argument("--cache-capacity", type=int, help="Accepted; not read.")
+    parser.add_argument(
+        "--timeline-filename", help="Sets HOROVOD_TIMELINE for the processes (the timeline file)."
+    )
+    parser.add_argument(
+        "--output-filename",
+        help="Folder: each rank's output also goes to DIR/rank.N/stdout and DIR/rank.N/stderr.",
+    )
+    elastic = parser.add_argument_group(
+        "elastic", "Restart the worker group after a failure (see docs/horovod.md)."
+    )
+    for flag, text in (
+        ("--min-np", "The fewest processes (whole hosts' slots on several hosts)."),
+        ("--max-np", "The most processes (whole hosts' slots on several hosts)."),
+        ("--reset-limit", "Restarts of the worker group after failures (default 3)."),
+        ("--slots-per-host", "Slots of a discovered host whose line names none (default 1)."),
+    ):
+        elastic.add_argument(flag, type=int, help=text)
+    elastic.add_argument(
+        "--host-discovery-script", help="A command printing HOST:SLOTS lines; run once, at start."
+    )
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="The command: python script.py [ARGS...]"
     )
@@ -99,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _refuse(args: argparse.Namespace) -> None:
     for key, message in _REFUSED.items():
-        if getattr(args, key) not in (None, False):
+        if getattr(args, key):
             raise ConfigError(message)
-    elastic = (args.max_np, args.host_discovery_script, args.slots_per_host)
-    if any(value is not None for value in elastic):
-        raise ConfigError(_REFUSED["min_np"])
+    if args.slots_per_host is not None and args.slots_per_host < 1:
+        raise ConfigError(
+            f"--slots-per-host must be at least 1, got {args.slots_per_host}; give the "
+            "processes each discovered host runs."
+        )
 
 
 def target_of(command: list[str]) -> Target:
@@ -139,8 +168,16 @@ def target_of(command: list[str]) -> Target:
 
 
 def _hosts_of(args: argparse.Namespace) -> list[Host] | None:
-    if args.hosts and args.hostfile:
-        raise ConfigError("Give either -H or --hostfile, not both.")
+    sources = {
+        "-H": args.hosts,
+        "--hostfile": args.hostfile,
+        "--host-discovery-script": args.host_discovery_script,
+    }
+    given = [flag for flag, value in sources.items() if value]
+    if len(given) > 1:
+        raise ConfigError(f"Give only one of {' and '.join(given)}; they all name the hosts.")
+    if args.host_discovery_script:
+        return discover_hosts(args.host_discovery_script, args.slots_per_host)
     if args.hosts:
         return parse_hosts(args.hosts)
     if args.hostfile:
@@ -152,7 +189,7 @@ def _over_ssh(args: argparse.Namespace, hosts: list[Host]) -> Config:
     """The job on several machines: every slot of every host runs a process, started
     over ssh by dtrain's launcher (-p, -i as Horovod's)."""
     total = sum(h.slots for h in hosts)
-    if args.np is not None and args.np != total:
+    if args.np is not None and args.np != total and not is_elastic(args):
         raise ConfigError(
             f"-np {args.np} does not match the {total} slots of "
             f"{', '.join(f'{h.name}:{h.slots}' for h in hosts)}; on several machines every slot "
@@ -162,34 +199,35 @@ def _over_ssh(args: argparse.Namespace, hosts: list[Host]) -> Config:
         hosts=[f"{h.name}:{h.slots}" for h in hosts],
         ssh_port=args.ssh_port or 22,
         ssh_identity=args.ssh_identity_file,
+        max_restarts=reset_limit(args),
     )
     hosts_of(config)  # the launcher's own checks (equal slots, each host once), now
     return config
 
 
 def _processes(args: argparse.Namespace, host: Host | None) -> int:
-    if args.np is None:
-        if host is None:
-            raise ConfigError(
-                "Say how many processes to start with -np N (e.g. horovodrun -np 2 python "
-                "train.py)."
-            )
-        return host.slots
-    if args.np < 1:
-        raise ConfigError(f"-np must be at least 1, got {args.np}; pass the number of processes.")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus and args.np > gpus:
+    nproc = local_processes(args, None if host is None else host.slots)
+    if nproc is None:
         raise ConfigError(
-            f"-np {args.np} asks for more processes than the {gpus} visible GPU(s), and Horovod "
+            "Say how many processes to start with -np N (e.g. horovodrun -np 2 python train.py)."
+        )
+    if nproc < 1:
+        raise ConfigError(f"-np must be at least 1, got {nproc}; pass the number of processes.")
+    if is_elastic(args):
+        check_counts(args, nproc)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and nproc > gpus:
+        raise ConfigError(
+            f"-np {nproc} asks for more processes than the {gpus} visible GPU(s), and Horovod "
             "scripts pin one GPU per process (hvd.local_rank()); lower -np, or hide the GPUs "
             "(CUDA_VISIBLE_DEVICES=) to train on the CPU."
         )
-    if host is not None and args.np > host.slots:
+    if host is not None and nproc > host.slots:
         raise ConfigError(
-            f"-np {args.np} asks for more processes than the {host.slots} slot(s) {host.name} "
-            f"offers; raise its slots (-H {host.name}:{args.np}) or lower -np."
+            f"-np {nproc} asks for more processes than the {host.slots} slot(s) {host.name} "
+            f"offers; raise its slots (-H {host.name}:{nproc}) or lower -np."
         )
-    return args.np
+    return nproc
 
 
 def _environment(
@@ -215,7 +253,26 @@ def _environment(
             env[name] = str(value)
     if args.fusion_threshold_mb is not None:  # the variable counts bytes, the flag MiB
         env["HOROVOD_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
+    if args.timeline_filename:
+        env["HOROVOD_TIMELINE"] = str(Path(args.timeline_filename).resolve())
+    if args.output_filename:
+        env[OUTPUT_VAR] = str(Path(args.output_filename).resolve())
     return {k: v for k, v in env.items() if v}
+
+
+@contextlib.contextmanager
+def _elastic_folder() -> Iterator[None]:
+    """Give the job a folder for `state.commit()` (``DTRAIN_ELASTIC_DIR``), removed when
+    the job ends; one the user set is theirs, and kept (a later job resumes from it)."""
+    if os.environ.get(durable.DIR_VAR):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="horovodrun-elastic-")
+    os.environ[durable.DIR_VAR] = folder
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _check_build() -> str:
@@ -249,27 +306,25 @@ def run(args: argparse.Namespace) -> None:
     hosts = _hosts_of(args)
     many = hosts is not None and any(h.name not in local_names() for h in hosts)
     host = None if hosts is None or many else this_machine(hosts)
+    min_hosts = None
     if many:
         assert hosts is not None
         config = _over_ssh(args, hosts)
         nproc = sum(h.slots for h in hosts)
+        if is_elastic(args):
+            min_hosts, _ = machine_range(args, hosts)
     else:
         nproc = _processes(args, host)
-        config = Config(nproc=nproc)
+        config = Config(nproc=nproc, max_restarts=reset_limit(args))
     target = target_of(args.command)
     if args.gloo_timeout_seconds is not None:
         config = config.replace(timeout_s=args.gloo_timeout_seconds)
-    if args.timeline_filename:
-        print(
-            f"horovodrun: no timeline is written to {args.timeline_filename} yet; the run goes "
-            "on without one (drop --timeline-filename to silence this).",
-            file=sys.stderr,
-        )
     saved = dict(os.environ)
     try:
         os.environ.update(_environment(args, nproc, host, many))
         worker = Target("module", "dtrain.horovod.worker", (target.kind, target.name, *target.args))
-        launch(config, worker)
+        with _elastic_folder():
+            launch(config, worker, min_hosts=min_hosts)
     finally:
         # horovodrun may run inside another program (tests, a notebook): leave its
         # environment as it was.

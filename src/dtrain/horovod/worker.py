@@ -1,6 +1,7 @@
 """What each process `horovodrun` starts runs first: it sets Horovod's per-process
 variables (HOROVOD_RANK, HOROVOD_LOCAL_RANK, ...) from the launcher's (RANK, LOCAL_RANK,
-...), so the script sees them before `hvd.init()`, then runs the script or module.
+...), so the script sees them before `hvd.init()`, copies its output to
+``--output-filename``'s files if asked, then runs the script or module.
 
     python -m dtrain.horovod.worker script PATH [ARGS...]
     python -m dtrain.horovod.worker module NAME [ARGS...]
@@ -12,6 +13,7 @@ import os
 import sys
 
 from dtrain.horovod.basics import placement, set_environment
+from dtrain.horovod.output import OUTPUT_VAR, tee_streams
 from dtrain.launch.bootstrap import run_target
 
 
@@ -21,7 +23,16 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     size = int(os.environ.get("WORLD_SIZE", "1"))
     set_environment(rank, size, *placement(rank, size))
-    run_target(kind, target, args)
+    output = os.environ.get(OUTPUT_VAR)
+    if not output:
+        run_target(kind, target, args)
+        return
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    restore = tee_streams(output, rank, size, fresh=first_attempt)
+    try:
+        run_target(kind, target, args)
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

@@ -85,16 +85,17 @@ def check_devices(config: Config) -> None:
             )
 
 
-def launch(config: Config, target: Target) -> None:
+def launch(config: Config, target: Target, min_hosts: int | None = None) -> None:
     """Run `target` under `config`; raise LaunchError naming the ranks that failed.
 
     With -H/--hostfile, this machine starts every host over ssh instead (each of them
-    then comes back here with its node rank)."""
+    then comes back here with its node rank); `min_hosts` makes them an elastic job of
+    at least that many hosts (horovodrun --min-np)."""
     hosts = hosts_of(config)
     if hosts is not None:
-        lookup(config.strategy).check_launch(as_nodes(config, hosts))
+        lookup(config.strategy).check_launch(as_nodes(config, hosts).replace(min_nnodes=min_hosts))
         target.check()
-        launch_over_ssh(config, target, hosts)
+        launch_over_ssh(config, target, hosts, min_hosts)
         return
     strategy = lookup(config.strategy)
     strategy.check_launch(config)

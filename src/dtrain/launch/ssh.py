@@ -144,11 +144,17 @@ class _Session:
         self.relay.join(timeout=5)
 
 
-def launch_over_ssh(config: Config, target: object, hosts: list[Host]) -> None:
+def launch_over_ssh(
+    config: Config, target: object, hosts: list[Host], min_hosts: int | None = None
+) -> None:
     """Run `target` on every host of `hosts` (node ranks in the order given); raise a
-    LaunchError naming the first host that failed, Stopped on Ctrl-C or SIGTERM."""
+    LaunchError naming the first host that failed, Stopped on Ctrl-C or SIGTERM.
+
+    With `min_hosts`, the hosts form an elastic job (``--nnodes min_hosts:len(hosts)``,
+    numbered by the rendezvous as they join): a host that fails is left behind while the
+    others go on, and the job fails only if no host finishes it."""
     port = rendezvous_port(hosts[0], config)
-    base = as_nodes(config, hosts).replace(master=f"{hosts[0].name}:{port}")
+    base = as_nodes(config, hosts).replace(master=f"{hosts[0].name}:{port}", min_nnodes=min_hosts)
     environment = forwarded_environment()
     sessions: list[_Session] = []
     stopped: list[int] = []
@@ -159,12 +165,12 @@ def launch_over_ssh(config: Config, target: object, hosts: list[Host]) -> None:
     try:
         for node, host in enumerate(hosts):
             payload = {
-                "config": base.replace(node_rank=node).to_json(),
+                "config": base.replace(node_rank=0 if min_hosts else node).to_json(),
                 "target": asdict(target),  # type: ignore[call-overload]
                 "env": environment,
             }
             sessions.append(_Session(node, host, config, payload))
-        failed = _wait(sessions, stopped)
+        failed = _wait(sessions, stopped, elastic=min_hosts is not None)
     finally:
         for s in sessions:
             s.hang_up()
@@ -177,6 +183,13 @@ def launch_over_ssh(config: Config, target: object, hosts: list[Host]) -> None:
             signal.signal(s, handler)
     if stopped:
         raise Stopped(stopped[0])
+    for s in sessions:
+        if failed is None and s.process.returncode != 0:
+            print(
+                f"dtrain: {s.host.name} (node {s.node}) ended with exit code "
+                f"{s.process.returncode}; the job finished without it.",
+                file=sys.stderr,
+            )
     if failed is not None:
         # Every host that failed of itself, not those stopped after it (SIGTERM's code).
         causes = [
@@ -190,10 +203,17 @@ def launch_over_ssh(config: Config, target: object, hosts: list[Host]) -> None:
         )
 
 
-def _wait(sessions: list[_Session], stopped: list[int]) -> _Session | None:
-    """Wait until every host is done (None) or one fails (that host) or a signal came."""
+def _wait(sessions: list[_Session], stopped: list[int], elastic: bool = False) -> _Session | None:
+    """Wait until every host is done (None) or one fails (that host) or a signal came.
+    Elastic: until every host is done; None if any finished the job, else the first host
+    that failed."""
     while not stopped:
         codes = [s.process.poll() for s in sessions]
+        if elastic:
+            if all(code is not None for code in codes):
+                return None if 0 in codes else next(s for s in sessions if s.process.returncode)
+            time.sleep(0.1)
+            continue
         for session, code in zip(sessions, codes, strict=True):
             if code not in (None, 0):
                 return session

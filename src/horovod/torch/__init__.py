@@ -11,10 +11,11 @@ import sys
 from dtrain import horovod as _impl
 from dtrain.horovod import *  # noqa: F403 - the alias re-exports the whole API
 from dtrain.horovod import __all__ as __all__  # noqa: F401
-from dtrain.horovod import compression, functions, optimizer
+from dtrain.horovod import compression, elastic, functions, optimizer
 
 for _name, _module in {
     "compression": compression,
+    "elastic": elastic,
     "functions": functions,
     "optimizer": optimizer,
     "mpi_ops": _impl,
