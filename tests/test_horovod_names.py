@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch.testing import assert_close
 
 import dtrain.horovod as hvd
 from dtrain.horovod import channel
+from dtrain.horovod.engine import Engine
 from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError
 from dtrain.horovod.requests import ALLREDUCE, BROADCAST, JOIN, Request
 from dtrain.horovod.table import Table
@@ -317,3 +319,29 @@ def test_table_reports_each_rank_on_a_mismatch() -> None:
     gathers = [[_request("g", "allgather", shape=(k + 1, 4))] for k in range(3)]
     (response,) = table.process(gathers)
     assert response.error is None  # first dimensions may differ
+
+
+class _SilentChannel:
+    """A control channel whose exchange never completes (a peer stopped negotiating)."""
+
+    def ring(self, round_: int) -> None:
+        pass
+
+    def wait(self, round_: int) -> None:
+        pass
+
+    def gather(self, round_: int, payload: bytes) -> list[bytes]:
+        threading.Event().wait()  # the peer never sends its part
+        raise AssertionError("unreachable")
+
+    def forget(self, round_: int) -> None:
+        pass
+
+
+def test_an_exchange_that_never_completes_is_named_as_such() -> None:
+    """When even this process's announcement has not gone through (a peer stopped taking
+    part in the exchange), the stall error says so instead of listing every rank."""
+    engine = Engine(0, 2, _SilentChannel(), lambda ready: None, lambda r: [r], 0.5, None)
+    operation = engine.submit(Request("allreduce.x", ALLREDUCE, (0, 1)))
+    with pytest.raises(HorovodInternalError, match="the exchange has not completed"):
+        operation.wait()

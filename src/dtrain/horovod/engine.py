@@ -301,6 +301,15 @@ class Engine:
         with self._lock:
             announced, missing = self._table.waiting_for(request.key)
             elsewhere = {r: self._table.pending_names(r)[:3] for r in missing}
+        if self.rank in missing:
+            # Not even this process's announcement went through: the round that carries
+            # it never completed, so some process stopped negotiating altogether.
+            return (
+                f"hvd.{request.kind} {request.name!r} has waited {waited:.0f} s for the "
+                "processes to exchange their announcements, and the exchange has not "
+                "completed: a process stopped taking part (it died, hangs outside Horovod, "
+                "or its machine is unreachable). Check the other ranks' output."
+            )
         hints = "; ".join(
             f"rank {r} is waiting on {names}" for r, names in elsewhere.items() if names
         )
