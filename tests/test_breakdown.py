@@ -160,3 +160,20 @@ def test_gpt_tokens_per_second_and_model_flops_utilisation(
     monkeypatch.setattr(flops, "peak_flops", lambda device, precision: 1e9)
     known = gpt_throughput(config, 1000, 10.0, 2, torch.device("cpu"), "fp32")
     assert known["model_flops_utilisation"] == pytest.approx(640 * 104304 / 2e9)
+
+
+def test_a_loop_without_progress_still_reports_samples_per_second(tmp_path: Path) -> None:
+    """Without engine.progress there is no timed loop to count samples over; the metrics
+    JSON then gets the steady rate: the global batch over the median step."""
+    metrics = tmp_path / "metrics.json"
+    engine = dtrain.init(strategy="single", seed=0, metrics_json=str(metrics))
+    model = nn.Linear(64, 10)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    for step, batch in enumerate(engine.dataloader(Samples(), batch_size=16)):
+        engine.train_step(batch, F.cross_entropy)
+        if step == 9:
+            break
+    engine.close()
+    result = json.loads(metrics.read_text())
+    median_step = result["breakdown"][0]["step"]
+    assert result["samples_per_second"] == pytest.approx(16 / median_step)

@@ -33,7 +33,7 @@ from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.memory import gradient_bytes, optimizer_bytes, parameter_bytes
-from dtrain.observe.progress import Throughput
+from dtrain.observe.progress import Throughput, steady_rate
 from dtrain.observe.report import RunReport
 from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal
@@ -82,6 +82,8 @@ class Engine:
         """Model-state bytes of this rank after its first step (with memory_report)."""
         self._memory_report: list[dict[str, int]] | None = None
         """Every rank's `memory`, once gathered after the first step."""
+        self._step_samples = 0
+        """Samples of the last `train_step` over every data-parallel worker."""
 
     # -- where training stands ------------------------------------------------------------
     @property
@@ -303,6 +305,7 @@ class Engine:
                 held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
         assert isinstance(mean, torch.Tensor)
         self.timing.per_device_batch = batch_size(part)
+        self._step_samples = total * self.strategy.dp_size
         self._watch.record(mean, self.step + 1)
         grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
         if (self.step + 1) % self.config.log_every == 0:
@@ -495,9 +498,13 @@ class Engine:
             summary = self.timing.finish(self.strategy.train_group, self.is_main)
             if self.config.memory_report:
                 summary["memory"] = self.memory_report()
-        if self.position.samples_per_step:
-            summary["global_batch_size"] = self.position.samples_per_step
+        # The epoch's global batch (engine.progress), else what train_step saw.
+        batch = self.position.samples_per_step or self._step_samples
+        if batch:
+            summary["global_batch_size"] = batch
         rate = self.throughput.samples_per_second
+        if not self.throughput.seconds:
+            rate = steady_rate(summary) or rate  # a loop without engine.progress
         metrics_path = self.report.finish(
             {
                 **summary,
@@ -511,8 +518,7 @@ class Engine:
         if self.step:
             self.print(
                 f"dtrain: {self.step} steps"
-                # counted over the batches `engine.progress` yields: a loop without it has none
-                + (f", {rate:,.0f} samples/s" if self.throughput.seconds else "")
+                + (f", {rate:,.0f} samples/s" if rate else "")
                 + (
                     f", last checkpoint {self.checkpoints.last_path}"
                     if self.checkpoints.last_path

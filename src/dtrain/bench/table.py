@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.bench.trial import TrialResult
+from dtrain.observe.progress import steady_rate as engine_steady_rate
 
 PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
 """The parts of a step in the metrics JSON's `breakdown`, in the order they are stacked."""
@@ -86,10 +87,9 @@ def steady_rate(trial: TrialResult) -> float | None:
     """The trial's global batch over its median step time after warm-up (mean over ranks),
     or None when its metrics lack the breakdown or the global batch."""
     ranks = _breakdown(trial.metrics)
-    batch = trial.metrics.get("global_batch_size")
-    if not ranks or not batch:
+    if not ranks:
         return None
-    return float(batch) / statistics.fmean(r["step"] for r in ranks)
+    return engine_steady_rate({**trial.metrics, "breakdown": ranks})
 
 
 def throughput_basis(trials: Sequence[TrialResult]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -23,6 +23,16 @@ class Throughput:
     def samples_per_second(self) -> float:
         """Samples per second so far (0 before the first step)."""
         return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def steady_rate(summary: dict[str, Any]) -> float | None:
+    """Samples/s from the end-of-run `summary` (the metrics JSON's ``breakdown`` and
+    ``global_batch_size``): the global batch over the median step, mean over ranks; None
+    without them. The figure for loops that do not go through `engine.progress`."""
+    breakdown, batch = summary.get("breakdown"), summary.get("global_batch_size")
+    if not breakdown or not batch:
+        return None
+    return float(batch) / (sum(rank["step"] for rank in breakdown) / len(breakdown))
 
 
 def track(
