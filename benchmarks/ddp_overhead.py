@@ -24,6 +24,16 @@ import dtrain
 from dtrain.models import build
 
 
+def make_model(name: str) -> torch.nn.Module:
+    """A bundled digits model, or `bare`: two tiny layers whose compute is next to nothing,
+    so that the step time is the loop's own work (data, wrappers, hooks, optimizer)."""
+    if name == "bare":
+        return torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(64, 4), torch.nn.ReLU(), torch.nn.Linear(4, 10)
+        )
+    return build(name)
+
+
 def make_data(samples: int) -> TensorDataset:
     """Digit-shaped synthetic data (the digits set is too small for long timed runs)."""
     generator = torch.Generator().manual_seed(0)
@@ -45,7 +55,7 @@ def rates(args: argparse.Namespace, seconds: tuple[float, float]) -> Rates:
 def plain_run(args: argparse.Namespace, data: TensorDataset) -> Rates:
     """Rates of the loop a user writes by hand with torch DDP."""
     torch.manual_seed(0)
-    model = DistributedDataParallel(build(args.model))
+    model = DistributedDataParallel(make_model(args.model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     per_worker = args.global_batch_size // dist.get_world_size()
     sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
@@ -64,7 +74,7 @@ def plain_run(args: argparse.Namespace, data: TensorDataset) -> Rates:
 def dtrain_run(args: argparse.Namespace, data: TensorDataset) -> Rates:
     """Rates of the same job through dtrain's Engine (strategy ddp)."""
     engine = dtrain.init(strategy="ddp")
-    model = build(args.model)
+    model = make_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model, optimizer = engine.setup(model, optimizer)
     loader = engine.dataloader(data, batch_size=args.global_batch_size // engine.dp_size)
@@ -88,7 +98,11 @@ def worker(args: argparse.Namespace) -> list[tuple[Rates, Rates]]:
 
 def main() -> None:
     parser = arguments(__doc__, batch=64, steps=300, warmup=20, repeats=7)
-    parser.add_argument("--model", default="cnn")
+    parser.add_argument(
+        "--model",
+        default="cnn",
+        help="A bundled digits model, or `bare` (almost no compute: the loops' own cost).",
+    )
     args = parser.parse_args()
     pairs = launch(args.nproc, worker, args)[0]
     title = (
