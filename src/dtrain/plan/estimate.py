@@ -69,6 +69,9 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     states = costs.zero_model_states(
         f.param_bytes, f.grad_bytes, f.optimizer_bytes, n, stage, ddp_buckets=False
     )
+    if stage == 1:  # whole tensors per rank: the fullest holds more than 1/N of the state
+        share = costs.greedy_partition_share([float(x) for x in f.tensor_bytes], n)
+        states += f.optimizer_bytes * (share - 1 / n)
     return Estimate(
         layout, b, s.data, s.compute, comm, optimizer, 0.0, states, activation_bytes(inputs, b),
         wait_seconds=jitter_wait(s, n, s.compute), overhead_seconds=inputs.overhead("ddp"),
