@@ -173,16 +173,19 @@ def measure(
 
     began = time.perf_counter()
     shared = sorted(p for p in points if p[2])
-    helpers = _start_helpers(source, shared, contenders)  # they build while we probe alone
+    helpers = _start_helpers(source, shared, contenders)  # they build while we weigh
     try:
         model = copy.deepcopy(work.model).to(device)
         figures = weigh(work, model, device, max(p[0] for p in points))
         calibration = Calibration(_describe(device), figures)
+        # The helpers' start (importing torch, building the model) would disturb the
+        # one-process points and the Engine probe: they wait for it, idle.
+        _wait_ready(helpers)
         for point in sorted(p for p in points if not p[2]):
             with _threads(point[1]):
                 calibration.steps[point] = time_step(work, model, point[0], device, seconds)
         calibration.engine_seconds = _engine_seconds(work, calibration, device, seconds)
-        _wait_ready(helpers)
+        _go(helpers)
         for point in shared:
             with _threads(point[1]):
                 calibration.steps[point] = time_step(work, model, point[0], device, seconds)
@@ -231,11 +234,15 @@ def _start_helpers(
 
 
 def _wait_ready(helpers: list[subprocess.Popen[str]]) -> None:
-    """Wait until every helper has built its model, then let them all train."""
+    """Wait until every helper has built its model (and is idle, waiting for `_go`)."""
     for helper in helpers:
         assert helper.stdout is not None
         if helper.stdout.readline().strip() != "ready":
             raise RuntimeError("a compute-probe helper process failed to start")
+
+
+def _go(helpers: list[subprocess.Popen[str]]) -> None:
+    """Let every helper train."""
     for helper in helpers:
         assert helper.stdin is not None
         helper.stdin.write("go\n")
