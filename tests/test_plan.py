@@ -19,7 +19,7 @@ from dtrain.cli import build_parser, main
 from dtrain.flags import config_from
 from dtrain.plan import costs
 from dtrain.plan.layouts import Layout, enumerate_layouts
-from dtrain.plan.links import Links, given
+from dtrain.plan.links import Links, given, monotone_fit
 
 MIB = 2**20
 
@@ -48,6 +48,10 @@ def test_formulas_match_hand_computations() -> None:
     # 4 + 4 + 2 + 4, stage 2 4 + 12/4, stage 3 16/4.
     assert [costs.zero_model_states(4, 4, 8, 4, s) for s in range(4)] == [20, 14, 7, 4]
     assert costs.zero_traffic_factor(3) == 1.5
+    # ZeroRedundancyOptimizer deals whole tensors, largest first: 6, 3, 2, 1 over 2 ranks
+    # -> rank 0: 6, rank 1: 3 + 2 + 1 = 6; 8, 1, 1 -> 8 of 10.
+    assert costs.greedy_partition_share([2, 6, 1, 3], 2) == 0.5
+    assert costs.greedy_partition_share([1, 8, 1], 2) == 0.8
     # PS: max(M/B, nM/(kB)): 4 workers, 2 servers, 100 bytes at 10 B/s -> 20 s.
     assert costs.ps_step_seconds(100, 4, 2, 10) == 20
     assert costs.ps_step_seconds(100, 2, 4, 10) == 10
@@ -60,6 +64,30 @@ def test_formulas_match_hand_computations() -> None:
         costs.hierarchical_seconds(1e6, 2, 2, intra, inter), 2 * (1e-5 + 1e-3) + 1e-2 + 2e-4
     )
     assert math.isclose(costs.flat_multinode_seconds(1e6, 2, 2, inter), 1.5e-2 + 6e-4)
+
+
+def test_machine_terms_and_memory_parts() -> None:
+    from dtrain.plan.inputs import Estimate, Inputs
+    from dtrain.plan.machine import Machine
+
+    # Isotonic fit of a noisy table: 8 KiB measured slower than 16 KiB -> both their mean.
+    assert monotone_fit([(16, 2.0), (4, 1.0), (8, 4.0), (32, 5.0)]) == [
+        (4, 1.0), (8, 3.0), (16, 3.0), (32, 5.0),
+    ]  # fmt: skip
+    # Processes x threads over cores: ps with 2 workers + 2 servers at 1 thread on 2 cores
+    # runs each process at half speed; ddp on 2 cores does not crowd; GPUs never do.
+    cpu = Machine(cores=2, gpus=0, single_threads=1, memory_per_device=1, threads_per_process=1)
+    inputs = Inputs(None, None, cpu, 64, None)  # type: ignore[arg-type]
+    assert inputs.crowd(Layout("ps", nproc=2, servers=2)) == 2.0
+    assert inputs.crowd(Layout("ps", nproc=2, servers=1)) == 1.5
+    assert inputs.crowd(Layout("ddp", nproc=2)) == 1.0
+    assert inputs.crowd(Layout("towers", towers=2)) == 1.0
+    gpu = Inputs(None, None, Machine(2, 1, 1, 1), 64, None)  # type: ignore[arg-type]
+    assert gpu.crowd(Layout("ps", nproc=2, servers=2)) == 1.0
+    e = Estimate(Layout("ddp", nproc=2), 32, 1.0, 2.0, 3.0, 4.0, 0.0, 100, 10, wait_seconds=1.0)
+    e.buffer_bytes, e.global_batch = 5, 64
+    e.crowded(2.0)
+    assert (e.step_seconds, e.crowd, e.memory_bytes_per_rank) == (22.0, 2.0, 115)
 
 
 def test_links_interpolate_the_measured_table() -> None:
@@ -120,6 +148,10 @@ def test_plan_lists_runnable_candidates_that_fit(
     out_of_memory = [r["flags"] for r in result["left_out"] if "per rank" in r["reason"]]
     assert "--strategy ddp --nproc 2" in out_of_memory
     assert "First pick" in result["explanation"]
+    assert result["calibration"]["engine_seconds"] >= 0
+    for c in candidates:  # what --memory-report counts, the buffers, the activations
+        parts = c["model_state_bytes"] + c["buffer_bytes"] + c["activation_bytes"]
+        assert abs(c["memory_bytes_per_rank"] - parts) <= 2
     # One candidate really runs, with its own flags, a few steps.
     pick = next(c for c in candidates if c["strategy"] == "pipeline")
     metrics = tmp_path / "metrics.json"

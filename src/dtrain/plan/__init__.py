@@ -2,12 +2,15 @@
 
 - `source`: the model to plan for (bundled, --script, --factory);
 - `calibrate`: the compute probe on the device, beside helper ranks (`busy`);
+- `engine_probe`: the real loader and the Engine's own work per step;
 - `weigh`: the model's bytes, FLOPs and per-layer shares; `overheads`: the wrappers' cost;
 - `links`: seconds per collective by size, measured with `dtrain bench comm`;
 - `machine`: cores, GPUs, memory per device, links between machines;
 - `costs`: the formulas (ring all-reduce, overlap, bubble, ZeRO memory, PS, TP);
 - `layouts`: the candidate layouts, their flags, and dtrain's own checks on them;
-- `estimate`: each layout's step time and memory from the above;
+- `inputs`: an estimate's terms and the figures they come from;
+- `estimate` (data parallel, ps) and `model_parallel` (pipeline, tensor, hybrid): each
+  layout's step time and memory from the above;
 - `report` and `command`: the table, the explanation and `--json`.
 
 Only `flags` is imported by `dtrain --help`; the rest imports torch.

@@ -3,7 +3,9 @@ of a multi-process layout on the CPU measures one process while the others compu
 (they share the cores' memory bandwidth and caches, as the ranks of the real run do).
 
 ``python -m dtrain.plan.busy BATCH THREADS SOURCE...`` prints ``ready`` once the model is
-built, then trains until its standard input closes (or a minute passes).
+built, waits for a line ``go`` on its standard input (so that it is started early, its
+imports overlapping the one-process probes, but trains only while the shared points are
+timed), then trains until its standard input closes (or a minute passes).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ def main(argv: list[str]) -> None:
     model = work.model
     optimizer = make_optimizer(work.optimizer, model, 1e-12)
     inputs, targets = work.batch(int(batch), torch.device("cpu"))
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return  # closed before the shared points: nothing to do
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    print("ready", flush=True)
     deadline = time.monotonic() + LIMIT_SECONDS
     while not stop.is_set() and time.monotonic() < deadline:
         work.loss_fn(model(inputs), targets).backward()

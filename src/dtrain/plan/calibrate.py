@@ -6,6 +6,8 @@ A few seconds on the actual device, in this process:
   per-device batch and thread count the candidate layouts need (the lower quartile of
   repeats after a warm-up; their spread is the machine's jitter), so the small-batch
   inefficiency of a split batch is measured rather than assumed;
+- loading a batch from the data set, and the Engine's own work per step
+  (`dtrain.plan.engine_probe`);
 - the model's bytes, FLOPs and per-layer shares (`dtrain.plan.weigh`);
 - the torch wrappers' own cost (`dtrain.plan.overheads`).
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dtrain.plan.engine_probe import lower_quartile, time_engine_step, time_loading
 from dtrain.plan.source import Source, Workload
 from dtrain.plan.weigh import ModelFigures, sync, weigh
 from dtrain.tasks import make_optimizer
@@ -40,7 +43,7 @@ class StepTime:
     backward: float
     optimizer: float
     data: float = 0.0
-    """Loading the batch: a DataLoader over the example samples held in memory."""
+    """Loading the batch with the loader `engine.dataloader` builds (`engine_probe`)."""
     totals: tuple[float, ...] = ()
     """Every timed step's forward + backward + optimizer, sorted (their spread is the
     machine's jitter: other jobs, the scheduler)."""
@@ -72,6 +75,8 @@ class Calibration:
     """Bytes per second of a copy of the parameters on the device (towers' replicas)."""
     overheads: dict[str, float] = field(default_factory=dict)
     """Seconds per step each torch wrapper adds by itself (`dtrain.plan.overheads`)."""
+    engine_seconds: float = 0.0
+    """Seconds per step the Engine's own work adds on every rank (`engine_probe`)."""
     probe_seconds: float = 0.0
 
     def step(self, batch: int, threads: int, shared: bool) -> StepTime:
@@ -139,33 +144,12 @@ def time_step(
             spent += t3 - t0
     totals = tuple(sorted(f + b + u for f, b, u in zip(forwards, backwards, updates, strict=True)))
     return StepTime(
-        _low(forwards), _low(backwards), _low(updates), time_loading(work, batch), totals
+        lower_quartile(forwards),
+        lower_quartile(backwards),
+        lower_quartile(updates),
+        time_loading(work, batch, seconds),
+        totals,
     )
-
-
-def time_loading(work: Workload, batch: int) -> float:
-    """Seconds to load one batch of `batch` samples with a shuffling DataLoader over the
-    example samples in memory (what the demo's loader does each step)."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    inputs, targets = work.batch(max(4 * batch, len(work.inputs)), torch.device("cpu"))
-    loader = DataLoader(
-        TensorDataset(inputs, targets), batch_size=batch, shuffle=True, drop_last=True
-    )
-    times = []
-    while len(times) < 8:
-        began = time.perf_counter()
-        for _ in loader:
-            now = time.perf_counter()
-            times.append(now - began)
-            began = now
-    return _low(times[1:])
-
-
-def _low(times: list[float]) -> float:
-    """The lower quartile of `times`: a step as fast as the device runs it when nothing
-    else interrupts (a shared machine's other jobs only ever add time)."""
-    return statistics.quantiles(times, n=4)[0] if len(times) >= 4 else min(times)
 
 
 def measure(
@@ -189,15 +173,19 @@ def measure(
 
     began = time.perf_counter()
     shared = sorted(p for p in points if p[2])
-    helpers = _start_helpers(source, shared, contenders)
-    model = copy.deepcopy(work.model).to(device)
-    figures = weigh(work, model, device, max(p[0] for p in points))
-    calibration = Calibration(_describe(device), figures)
-    for point in sorted(p for p in points if not p[2]):
-        with _threads(point[1]):
-            calibration.steps[point] = time_step(work, model, point[0], device, seconds)
+    helpers = _start_helpers(source, shared, contenders)  # they build while we weigh
     try:
+        model = copy.deepcopy(work.model).to(device)
+        figures = weigh(work, model, device, max(p[0] for p in points))
+        calibration = Calibration(_describe(device), figures)
+        # The helpers' start (importing torch, building the model) would disturb the
+        # one-process points and the Engine probe: they wait for it, idle.
         _wait_ready(helpers)
+        for point in sorted(p for p in points if not p[2]):
+            with _threads(point[1]):
+                calibration.steps[point] = time_step(work, model, point[0], device, seconds)
+        calibration.engine_seconds = _engine_seconds(work, calibration, device, seconds)
+        _go(helpers)
         for point in shared:
             with _threads(point[1]):
                 calibration.steps[point] = time_step(work, model, point[0], device, seconds)
@@ -214,6 +202,24 @@ def measure(
     return calibration
 
 
+def _engine_seconds(
+    work: Workload, calibration: Calibration, device: torch.device, seconds: float
+) -> float:
+    """The Engine's own seconds per step: a real one-process Engine's mean step at the
+    largest one-process batch probed, less that batch's loading and mean bare step."""
+    alone = [p for p in calibration.steps if not p[2]]
+    if not alone:
+        return 0.0
+    batch, threads, _ = max(alone)
+    bare = calibration.steps[(batch, threads, False)]
+    with _threads(threads):
+        whole = time_engine_step(work, batch, device, seconds)
+    mean_bare = (
+        sum(bare.totals) / len(bare.totals) if bare.totals else bare.compute + bare.optimizer
+    )
+    return max(0.0, whole - bare.data - mean_bare)
+
+
 def _start_helpers(
     source: Source, shared: list[tuple[int, int, bool]], count: int
 ) -> list[subprocess.Popen[str]]:
@@ -228,10 +234,19 @@ def _start_helpers(
 
 
 def _wait_ready(helpers: list[subprocess.Popen[str]]) -> None:
+    """Wait until every helper has built its model (and is idle, waiting for `_go`)."""
     for helper in helpers:
         assert helper.stdout is not None
         if helper.stdout.readline().strip() != "ready":
             raise RuntimeError("a compute-probe helper process failed to start")
+
+
+def _go(helpers: list[subprocess.Popen[str]]) -> None:
+    """Let every helper train."""
+    for helper in helpers:
+        assert helper.stdin is not None
+        helper.stdin.write("go\n")
+        helper.stdin.flush()
 
 
 def _stop(helpers: list[subprocess.Popen[str]]) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import asdict
 from typing import Any
 
@@ -17,7 +16,7 @@ from dtrain.errors import ConfigError
 from dtrain.plan import calibrate, links, report, weigh
 from dtrain.plan.estimate import Estimate, Inputs, estimate, probe_points, wrappers_of
 from dtrain.plan.layouts import Layout, check, enumerate_layouts
-from dtrain.plan.machine import Machine, physical_memory, threads_from_env
+from dtrain.plan.machine import Machine, physical_memory, threads_from_env, usable_cores
 from dtrain.plan.source import Source, Workload, load_source
 
 
@@ -71,7 +70,7 @@ def machine_of(args: argparse.Namespace) -> Machine:
     if memory is None:
         memory = torch.cuda.get_device_properties(0).total_memory if gpus else physical_memory()
     return Machine(
-        cores=os.cpu_count() or 1,
+        cores=usable_cores(),
         gpus=gpus,
         single_threads=torch.get_num_threads(),
         memory_per_device=int(memory),
@@ -183,6 +182,7 @@ def _calibration_summary(
         "flops_per_sample": f.flops_per_sample,
         "steps": steps,
         "wrapper_overhead_seconds": cal.overheads,
+        "engine_seconds": cal.engine_seconds,
         "link": link.source,
         "all_reduce_latency_seconds": link.latency_seconds,
         "all_reduce_bus_bandwidth": link.bus_bandwidth if link.ranks > 1 else None,

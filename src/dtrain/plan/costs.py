@@ -106,6 +106,19 @@ def zero_model_states(
     return (params + grads + optim) / n
 
 
+def greedy_partition_share(sizes: list[float], n: int) -> float:
+    """The fullest rank's share when whole tensors of `sizes` are dealt to `n` ranks the
+    way `ZeroRedundancyOptimizer` deals them (largest first, each to the least loaded
+    rank so far): 1/n for many equal tensors, more when one tensor dominates."""
+    total = sum(sizes)
+    if n <= 1 or total <= 0:
+        return 1.0
+    loads = [0.0] * n
+    for size in sorted(sizes, reverse=True):
+        loads[loads.index(min(loads))] += size
+    return max(loads) / total
+
+
 def zero_traffic_factor(stage: int) -> float:
     """Bytes each rank moves per step, in units of plain data parallel's all-reduce
     2(n-1)/n x S: 1 for stages 0-2 (reduce-scatter + all-gather), 1.5 for stage 3 (the

@@ -3,7 +3,8 @@
 The probe is `dtrain bench comm` itself (all_reduce, reduce_scatter, all_gather,
 broadcast and send/recv, from 4 KiB to 16 MiB, a few timed calls per size) run on
 ``--nproc`` processes in a child `dtrain` command; its JSON rows become a table of
-seconds by (collective, size). A time between two measured sizes is interpolated
+seconds by (collective, size), made non-decreasing in the size where noise broke that
+(`monotone_fit`). A time between two measured sizes is interpolated
 log-linearly; below the smallest it is the smallest's (latency bound), above the largest
 it grows in proportion to the size (bandwidth bound). Where the user gives a bandwidth
 and a latency instead (``--link-gbps``, ``--link-latency-us``), every collective costs
@@ -139,6 +140,22 @@ def probe(ranks: int, cpu: bool) -> Links:
         measured.setdefault(row["op"], []).append(
             (int(row["bytes"]), float(row["microseconds"]) * 1e-6)
         )
-    for points in measured.values():
-        points.sort()
-    return Links(ranks, measured)
+    return Links(ranks, {op: monotone_fit(points) for op, points in measured.items()})
+
+
+def monotone_fit(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The (bytes, seconds) points sorted by size, with the times replaced by their
+    isotonic regression (pool adjacent violators): a collective never takes less time for
+    more bytes, so where a size measured slower than a larger one, both are noisy
+    samples of one time and get their mean. Unlike a lower envelope, this keeps the
+    typical cost of a call on this machine (the runs pay the same interruptions)."""
+    ordered = sorted(points)
+    blocks: list[list[float]] = []  # [sum of times, count]
+    for _, seconds in ordered:
+        blocks.append([seconds, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    times = [total / count for total, count in blocks for _ in range(int(count))]
+    return [(size, t) for (size, _), t in zip(ordered, times, strict=True)]

@@ -46,6 +46,15 @@ def threads_from_env() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a container or `taskset`
+    can allow fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity masks on this platform
+        return os.cpu_count() or 1
+
+
 def physical_memory() -> int:
     """Bytes of memory of this machine."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -28,7 +28,9 @@ def candidate(e: Estimate, command_prefix: str | None) -> dict[str, Any]:
         "wait_seconds": e.wait_seconds,
         "overhead_seconds": e.overhead_seconds,
         "per_device_batch": e.per_device_batch,
+        "crowd": e.crowd,
         "model_state_bytes": int(e.model_state_bytes),
+        "buffer_bytes": int(e.buffer_bytes),
         "activation_bytes": int(e.activation_bytes),
         "fits": e.fits,
     }

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from dtrain.errors import ConfigError
 
@@ -49,6 +50,9 @@ class Workload:
     """sgd or adamw (`dtrain.tasks.make_optimizer`)."""
     bundled: bool
     """True for `--model`: the flags then include the demo's model flags."""
+    dataset: Dataset | None = None
+    """The bundled model's training set (what each step loads from); None for a user's
+    model, whose steps are timed loading the example samples."""
 
     def batch(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """`size` samples (the example's repeated as needed) on `device`."""
@@ -102,7 +106,9 @@ def bundled(name: str, size: str | None, optimizer: str | None) -> Workload:
     train, _ = task.data(model)
     inputs, targets = train[: min(len(train), 256)]
     label = f"{name} {size or 'tiny'}" if name == "gpt" else name
-    return Workload(label, model, inputs, targets, task.loss, optimizer or task.optimizer, True)
+    return Workload(
+        label, model, inputs, targets, task.loss, optimizer or task.optimizer, True, train
+    )
 
 
 def from_factory(spec: str, optimizer: str | None) -> Workload:

@@ -1,0 +1,152 @@
+"""What every layout's estimate is made of: the prediction's terms (`Estimate`) and the
+measured figures they are computed from (`Inputs`), with the helpers all strategies use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtrain.plan import costs
+from dtrain.plan.calibrate import Calibration, StepTime
+from dtrain.plan.layouts import Layout
+from dtrain.plan.links import Links
+from dtrain.plan.machine import Machine
+from dtrain.plan.weigh import TensorFigures
+
+
+@dataclass
+class Estimate:
+    """The prediction for one layout."""
+
+    layout: Layout
+    per_device_batch: float
+    """Samples one device computes per forward (a micro-batch under a pipeline)."""
+    data_seconds: float
+    """Loading the step's batch."""
+    compute_seconds: float
+    """t1: forward + backward on the busiest rank."""
+    communication_seconds: float
+    """t2 not hidden by compute."""
+    optimizer_seconds: float
+    idle_seconds: float
+    """A pipeline's fill and drain (the bubble)."""
+    model_state_bytes: float
+    """Parameters, gradients and optimizer state the rank holds at its peak (what
+    `--memory-report` counts)."""
+    activation_bytes: float
+    wait_seconds: float = 0.0
+    """Lost to jitter: a step in lockstep runs at the pace of its slowest rank."""
+    overhead_seconds: float = 0.0
+    """The torch wrapper's own work per step (DDP, FSDP2, DTensor), measured on one rank,
+    and the Engine's (`dtrain.plan.engine_probe`)."""
+    buffer_bytes: float = 0.0
+    """Working copies beside the model states: DDP's gradient buckets, the towers'
+    replicas, the replicas' reduction buffers of a hybrid layout."""
+    crowd: float = 1.0
+    """How many times slower each process runs because the layout's processes want more
+    threads than the machine has cores (1 on GPUs); already applied to the times."""
+    bubble: float = 0.0
+    fits: bool = True
+    global_batch: int = 0
+
+    @property
+    def step_seconds(self) -> float:
+        """The whole step."""
+        return (
+            self.data_seconds
+            + self.compute_seconds
+            + self.communication_seconds
+            + self.optimizer_seconds
+            + self.idle_seconds
+            + self.wait_seconds
+            + self.overhead_seconds
+        )
+
+    @property
+    def samples_per_second(self) -> float:
+        """Global samples per second."""
+        return costs.samples_per_second(self.global_batch, self.step_seconds)
+
+    @property
+    def memory_bytes_per_rank(self) -> float:
+        """Model states, working buffers and activations on the fullest rank."""
+        return self.model_state_bytes + self.buffer_bytes + self.activation_bytes
+
+    def crowded(self, factor: float) -> None:
+        """Stretch every time of the step by `factor` (processes outnumbering cores)."""
+        self.crowd = factor
+        for name in (
+            "data_seconds", "compute_seconds", "communication_seconds", "optimizer_seconds",
+            "idle_seconds", "wait_seconds", "overhead_seconds",
+        ):  # fmt: skip
+            setattr(self, name, getattr(self, name) * factor)
+
+
+@dataclass
+class Inputs:
+    """Everything an estimate reads."""
+
+    calibration: Calibration
+    links: Links
+    machine: Machine
+    global_batch: int
+    tensor: TensorFigures | None
+
+    def step(self, batch: float, processes: int) -> StepTime:
+        """Measured step parts at `batch` samples per device with `processes` per machine."""
+        return self.calibration.step(max(1, round(batch)), self.machine.threads(processes), True)
+
+    def single_step(self, batch: float) -> StepTime:
+        """Measured step parts of a one-process run."""
+        return self.calibration.step(max(1, round(batch)), self.machine_single_threads, False)
+
+    @property
+    def machine_single_threads(self) -> int:
+        return 0 if self.machine.gpus else self.machine.single_threads
+
+    def crowd(self, layout: Layout) -> float:
+        """How many times slower each process of `layout` runs on the CPU because its
+        processes (parameter servers included) want more threads than there are cores:
+        processes x threads / cores, at least 1 (each gets its share of the cores; a
+        message waits for its receiver's turn). 1 on GPUs."""
+        if self.machine.gpus:
+            return 1.0
+        processes = layout.processes_per_node if layout.strategy != "towers" else 1
+        threads = self.machine.threads(processes) if processes > 1 else self.machine.single_threads
+        return max(1.0, processes * max(1, threads) / self.machine.cores)
+
+    def overhead(self, wrapper: str) -> float:
+        """Seconds per step the torch `wrapper` adds by itself (0 if not measured)."""
+        return self.calibration.overheads.get(wrapper, 0.0)
+
+    def allreduce(self, size: float, n: int, layout: Layout) -> float:
+        """One all-reduce of `size` bytes over `n` ranks (across machines when the layout
+        spans several: flat ring or hierarchical)."""
+        if layout.nnodes == 1 or n <= layout.nproc:
+            return self.links.seconds("all_reduce", size, n)
+        intra = (self.links.bus_bandwidth, self.links.latency_seconds)
+        if layout.hierarchical:
+            return costs.hierarchical_seconds(
+                size, layout.nproc, layout.nnodes, intra, self.machine.inter_node
+            )
+        return costs.flat_multinode_seconds(
+            size, layout.nproc, layout.nnodes, self.machine.inter_node
+        )
+
+
+def jitter_wait(step: StepTime, ranks: int, busy: float) -> float:
+    """Time lost to jitter by `ranks` ranks in lockstep that compute for `busy` seconds:
+    each rank's pauses (the measured jitter share of its time) stall every rank, so the
+    losses add up: ranks x jitter x busy (for rare, short pauses)."""
+    return ranks * step.jitter * busy
+
+
+def activation_bytes(inputs: Inputs, batch: float) -> float:
+    return inputs.calibration.figures.activation_bytes_per_sample * batch
+
+
+def overlapped(inputs: Inputs, layout: Layout, parts: list[float], window: float) -> float:
+    """Exposed time of collectives `parts` issued during a compute `window`."""
+    if inputs.machine.overlaps(layout.processes_per_node):
+        return costs.exposed_after_overlap(parts, window)
+    return sum(parts)
