@@ -90,6 +90,25 @@ def test_machine_terms_and_memory_parts() -> None:
     assert (e.step_seconds, e.crowd, e.memory_bytes_per_rank) == (22.0, 2.0, 115)
 
 
+def test_groups_that_span_machines_run_at_the_links_between_them() -> None:
+    """A collective whose group spans machines is a ring through the slow links; inside
+    one machine it keeps the measured links; a pipeline whose stages span machines hands
+    over through them."""
+    from dtrain.plan.inputs import Inputs
+    from dtrain.plan.machine import Machine
+
+    machine = Machine(2, 0, 1, 1, inter_node=(1e7, 1e-4))  # 10 MB/s, 0.1 ms between machines
+    inputs = Inputs(None, given(2, 1.0, 10.0), machine, 64, None)  # type: ignore[arg-type]
+    two_hosts = Layout("zero3", nproc=1, nnodes=2)
+    # 1 MB all-gathered over 2 ranks on 2 machines: 0.1 ms + 1/2 x 1 MB / 10 MB/s = 50.1 ms.
+    assert math.isclose(inputs.collective("all_gather", 1e6, 2, two_hosts), 0.0501)
+    one_host = Layout("zero3", nproc=2)
+    assert math.isclose(inputs.collective("all_gather", 1e6, 2, one_host), 1e-5 + 0.5e-3)
+    stages = Layout("pipeline", nproc=1, nnodes=2, pp=2)
+    assert math.isclose(inputs.stage_send(1e6, stages), 1e-4 + 0.1)
+    assert inputs.p2p_bandwidth(Layout("ps", nproc=1, nnodes=2, servers=2)) == 1e7
+
+
 def test_links_interpolate_the_measured_table() -> None:
     links = Links(2, {"all_reduce": [(1000, 1e-4), (100_000, 1e-2)]})
     assert links.seconds("all_reduce", 10) == 1e-4  # latency floor

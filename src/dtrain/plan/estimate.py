@@ -65,7 +65,7 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     if layout.strategy == "zero1":
         stage = 1
         optimizer /= n
-        comm += sum(inputs.links.seconds("broadcast", size, n) for size in f.tensor_bytes)
+        comm += sum(inputs.collective("broadcast", size, n, layout) for size in f.tensor_bytes)
     states = costs.zero_model_states(
         f.param_bytes, f.grad_bytes, f.optimizer_bytes, n, stage, ddp_buckets=False
     )
@@ -91,10 +91,10 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
     stage = 2 if layout.strategy == "zero2" else 3
 
     def gather(size: float) -> float:
-        return inputs.links.seconds("all_gather", size, shard)
+        return inputs.collective("all_gather", size, shard, layout)
 
     def scatter(size: float) -> float:
-        seconds = inputs.links.seconds("reduce_scatter", size, shard)
+        seconds = inputs.collective("reduce_scatter", size, shard, layout)
         if shard < n:  # hsdp: each shard's gradients are averaged across the replicas
             seconds += inputs.allreduce(size / shard, n // shard * layout.nproc, layout)
         return seconds
@@ -121,7 +121,7 @@ def _parameter_server(inputs: Inputs, layout: Layout) -> Estimate:
     n, k = layout.nproc, layout.servers
     b = inputs.global_batch / n
     s = inputs.step(b, layout.processes_per_node)
-    bandwidth = inputs.links.p2p_bandwidth
+    bandwidth = inputs.p2p_bandwidth(layout)
     comm = costs.ps_step_seconds(f.param_bytes, n, k, bandwidth)
     comm += 2 * inputs.links.seconds("send_recv", 0)
     states = f.param_bytes + f.grad_bytes

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from dtrain.plan import costs
 from dtrain.plan.calibrate import Calibration, StepTime
 from dtrain.plan.layouts import Layout
-from dtrain.plan.links import Links
+from dtrain.plan.links import Links, bus_factor
 from dtrain.plan.machine import Machine
 from dtrain.plan.weigh import TensorFigures
 
@@ -118,6 +118,35 @@ class Inputs:
     def overhead(self, wrapper: str) -> float:
         """Seconds per step the torch `wrapper` adds by itself (0 if not measured)."""
         return self.calibration.overheads.get(wrapper, 0.0)
+
+    def collective(self, op: str, size: float, n: int, layout: Layout) -> float:
+        """One `op` of `size` bytes over a group of `n` ranks of `layout`: on the measured
+        links inside a machine, or, when the group spans machines (more ranks than one
+        machine holds), as a ring through the links between them, whose every step waits
+        for them (bus bytes over their bandwidth, a latency per step)."""
+        if op == "all_reduce":
+            return self.allreduce(size, n, layout)
+        if layout.nnodes == 1 or n <= layout.nproc:
+            return self.links.seconds(op, size, n)
+        bandwidth, latency = self.machine.inter_node
+        steps = n - 1 if op in ("all_gather", "reduce_scatter") else 1
+        return latency * steps + bus_factor(op, n) * size / bandwidth
+
+    def stage_send(self, size: float, layout: Layout) -> float:
+        """One pipeline hand-over of `size` bytes: between machines when the stages span
+        them (the slowest hand-over paces the pipeline)."""
+        across = layout.nnodes > 1 and layout.pp * layout.tp > layout.nproc
+        if not across:
+            return self.links.seconds("send_recv", size)
+        bandwidth, latency = self.machine.inter_node
+        return latency + size / bandwidth
+
+    def p2p_bandwidth(self, layout: Layout) -> float:
+        """Bytes/s of one process's messages to another: the machines' links when the
+        layout spans machines (most of a parameter server's traffic crosses them)."""
+        if layout.nnodes == 1:
+            return self.links.p2p_bandwidth
+        return min(self.links.p2p_bandwidth, self.machine.inter_node[0])
 
     def allreduce(self, size: float, n: int, layout: Layout) -> float:
         """One all-reduce of `size` bytes over `n` ranks (across machines when the layout

@@ -27,7 +27,7 @@ def _tensor_comm(inputs: Inputs, layout: Layout, batch: float, repeats: int) -> 
     if t is None or layout.tp == 1:
         return 0.0
     sizes = [x * batch for x in t.forward_bytes_per_sample + t.backward_bytes_per_sample]
-    return repeats * sum(inputs.links.seconds("all_reduce", size, layout.tp) for size in sizes)
+    return repeats * sum(inputs.collective("all_reduce", size, layout.tp, layout) for size in sizes)
 
 
 def model_parallel(inputs: Inputs, layout: Layout) -> Estimate:
@@ -48,9 +48,9 @@ def model_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     idle = (slots - m) * per_micro
     comm = _tensor_comm(inputs, layout, micro, m)
     if pp > 1:
-        send = inputs.links.seconds("send_recv", boundary * micro)
+        send = inputs.stage_send(boundary * micro, layout)
         comm += 2 * send * (m * layout.virtual + pp - 1)
-        comm += inputs.links.seconds("all_reduce", 8, layout.world)  # the step's loss
+        comm += inputs.collective("all_reduce", 8, layout.world, layout)  # the step's loss
     states_full = f.param_bytes + f.grad_bytes + f.optimizer_bytes
     t_split = _split_param_share(inputs, tp)
     states = states_full * param_share * t_split
