@@ -69,6 +69,9 @@ def test_elastic_sampler_reshards_the_rest_of_the_epoch(monkeypatch: pytest.Monk
     plain.shuffle = False
     plain.set_epoch(0)
     assert list(plain) == list(range(1, 48, 2))
+    almost_done = {**state, "processed_indices": sorted(set(range(48)) - {order[47]})}
+    last = _samplers(monkeypatch, 4, almost_done)  # one sample left for 4 ranks
+    assert [list(s) for s in last] == [[order[47]]] * 4  # every rank gets a batch
 
 
 def _state_checks(folder: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ machines' clocks are).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -33,7 +34,10 @@ from dtrain.observe.trace import process_names, write_events
 TIMELINE_VAR = "HOROVOD_TIMELINE"
 MARK_CYCLES_VAR = "HOROVOD_TIMELINE_MARK_CYCLES"
 GATHER_WAIT_S = 30.0
-"""How long rank 0 waits for the other processes' spans when the timeline stops."""
+"""How long rank 0 waits, in all, for the other processes' spans when the timeline stops."""
+MAX_SPANS = 200_000
+"""Spans one process keeps (about 16 MB handed to rank 0); later ones are counted, not
+kept, so that a long run's timeline stays a file a browser opens."""
 
 Span = tuple[str, str, float, float]
 """(row: the operation's name, span name, start, end), times in wall-clock seconds."""
@@ -56,6 +60,8 @@ class Timeline:
         self.mark_cycles = mark_cycles
         self._lock = threading.Lock()
         self._spans: list[Span] = []
+        self.dropped = 0
+        """Spans not kept once `MAX_SPANS` were."""
 
     def started(
         self, name: str, kind: str, issued: float, works: list[dist.Work]
@@ -73,7 +79,7 @@ class Timeline:
             with self._lock:
                 if left[0] >= 0:
                     left[0] = -1
-                    self._spans.append((name, label, now, time.time()))
+                    self._keep((name, label, now, time.time()))
 
         def one_done(_: Any) -> None:
             with self._lock:
@@ -99,7 +105,14 @@ class Timeline:
 
     def _add(self, span: Span) -> None:
         with self._lock:
+            self._keep(span)
+
+    def _keep(self, span: Span) -> None:
+        """Keep `span` (the lock held) while there is room."""
+        if len(self._spans) < MAX_SPANS:
             self._spans.append(span)
+        else:
+            self.dropped += 1
 
     def spans(self) -> list[Span]:
         """What this process recorded so far."""
@@ -138,9 +151,11 @@ def finish(timeline: Timeline, store: dist.Store | None, key: str, size: int) ->
     mine = timeline.spans()
     if timeline.rank != 0:
         if store is not None:
-            store.set(f"{key}{timeline.rank}", json.dumps(mine))
+            with contextlib.suppress(RuntimeError):  # rank 0 gone: nobody writes the file
+                store.set(f"{key}{timeline.rank}", json.dumps(mine))
         return None
-    everyone = [mine] + [_handed_in(store, f"{key}{rank}") for rank in range(1, size)]
+    deadline = time.monotonic() + GATHER_WAIT_S
+    everyone = [mine] + [_handed_in(store, f"{key}{rank}", deadline) for rank in range(1, size)]
     path = write_events(timeline.path, trace_events(everyone))
     missing = [rank for rank, spans in enumerate(everyone) if spans is None]
     if missing:
@@ -152,15 +167,23 @@ def finish(timeline: Timeline, store: dist.Store | None, key: str, size: int) ->
         )
     else:
         print(f"horovod: timeline in {path} (open it in ui.perfetto.dev).", flush=True)
+    if timeline.dropped:
+        print(
+            f"horovod: rank 0 kept its first {MAX_SPANS:,} spans and dropped "
+            f"{timeline.dropped:,}; stop the timeline earlier (hvd.stop_timeline) for a "
+            "complete one.",
+            flush=True,
+        )
     return path
 
 
-def _handed_in(store: dist.Store | None, key: str) -> list[Span] | None:
-    """The spans another process set under `key`, or None if they do not come in time."""
+def _handed_in(store: dist.Store | None, key: str, deadline: float) -> list[Span] | None:
+    """The spans another process set under `key`, or None if they are not there by
+    `deadline` (`time.monotonic()`)."""
     if store is None:
         return None
     try:
-        store.wait([key], timedelta(seconds=GATHER_WAIT_S))
+        store.wait([key], timedelta(seconds=max(0.001, deadline - time.monotonic())))
     except RuntimeError:  # the store's timeout (a DistStoreError)
         return None
     spans = [(row, name, start, end) for row, name, start, end in json.loads(store.get(key))]
@@ -193,8 +216,8 @@ def stop_timeline() -> None:
 def stop(ctx: basics.Context) -> None:
     """Stop the timeline of the job `ctx` describes, if one runs (`hvd.shutdown` too)."""
     timeline, ctx.engine.timeline = ctx.engine.timeline, None
+    ctx.timelines += 1  # on every process alike, running or not, so the keys agree
     if timeline is None:
         return
-    ctx.timelines += 1
     key = f"dtrain/horovod/{ctx.session}/timeline/{ctx.timelines}/"
     finish(timeline, ctx.store, key, ctx.size)

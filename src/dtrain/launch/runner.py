@@ -314,9 +314,17 @@ def _host_watched(
     )
 
 
+JOB_TOKEN = "DTRAIN_JOB_TOKEN"
+"""Environment variable: a token unique to one launch of a job on this machine, the same
+for its restarted workers."""
+
+
 def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_worker(nproc))
     os.environ[LAUNCHER_PID] = str(os.getpid())
+    # One job of this launcher, every restart included (the elastic run id is reused by
+    # a later job on the same --master port): keys what a job leaves for its restarts.
+    os.environ[JOB_TOKEN] = uuid.uuid4().hex
     if config.min_nnodes is not None:
         # torch's agents share one store server with their workers by default, set up
         # once: a machine that joins a later round (one coming back) then waits for an

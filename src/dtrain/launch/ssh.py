@@ -152,7 +152,8 @@ def launch_over_ssh(
 
     With `min_hosts`, the hosts form an elastic job (``--nnodes min_hosts:len(hosts)``,
     numbered by the rendezvous as they join): a host that fails is left behind while the
-    others go on, and the job fails only if no host finishes it."""
+    others go on, and the job fails only if no host finishes it. The first host serves
+    the rendezvous: if it fails, every host does."""
     port = rendezvous_port(hosts[0], config)
     base = as_nodes(config, hosts).replace(master=f"{hosts[0].name}:{port}", min_nnodes=min_hosts)
     environment = forwarded_environment()

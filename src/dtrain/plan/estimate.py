@@ -96,7 +96,7 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
     def scatter(size: float) -> float:
         seconds = inputs.collective("reduce_scatter", size, shard, layout)
         if shard < n:  # hsdp: each shard's gradients are averaged across the replicas
-            seconds += inputs.allreduce(size / shard, n // shard * layout.nproc, layout)
+            seconds += inputs.allreduce(size / shard, n // shard, layout, stride=shard)
         return seconds
 
     units = f.unit_bytes
@@ -121,7 +121,7 @@ def _parameter_server(inputs: Inputs, layout: Layout) -> Estimate:
     n, k = layout.nproc, layout.servers
     b = inputs.global_batch / n
     s = inputs.step(b, layout.processes_per_node)
-    bandwidth = inputs.p2p_bandwidth(layout)
+    bandwidth = inputs.links.p2p_bandwidth
     comm = costs.ps_step_seconds(f.param_bytes, n, k, bandwidth)
     comm += 2 * inputs.links.seconds("send_recv", 0)
     states = f.param_bytes + f.grad_bytes

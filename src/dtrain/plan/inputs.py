@@ -119,14 +119,15 @@ class Inputs:
         """Seconds per step the torch `wrapper` adds by itself (0 if not measured)."""
         return self.calibration.overheads.get(wrapper, 0.0)
 
-    def collective(self, op: str, size: float, n: int, layout: Layout) -> float:
-        """One `op` of `size` bytes over a group of `n` ranks of `layout`: on the measured
-        links inside a machine, or, when the group spans machines (more ranks than one
-        machine holds), as a ring through the links between them, whose every step waits
+    def collective(self, op: str, size: float, n: int, layout: Layout, stride: int = 1) -> float:
+        """One `op` of `size` bytes over a group of `n` ranks of `layout`, `stride` ranks
+        apart (the product of the mesh's inner dimensions: tp for a dp group, dp x tp for
+        the pipeline's stages): on the measured links inside a machine, or, when the group
+        spans machines, as a ring through the links between them, whose every step waits
         for them (bus bytes over their bandwidth, a latency per step)."""
         if op == "all_reduce":
-            return self.allreduce(size, n, layout)
-        if layout.nnodes == 1 or n <= layout.nproc:
+            return self.allreduce(size, n, layout, stride)
+        if not spans_machines(n, stride, layout):
             return self.links.seconds(op, size, n)
         bandwidth, latency = self.machine.inter_node
         steps = n - 1 if op in ("all_gather", "reduce_scatter") else 1
@@ -134,25 +135,21 @@ class Inputs:
 
     def stage_send(self, size: float, layout: Layout) -> float:
         """One pipeline hand-over of `size` bytes: between machines when the stages span
-        them (the slowest hand-over paces the pipeline)."""
-        across = layout.nnodes > 1 and layout.pp * layout.tp > layout.nproc
-        if not across:
+        them (the pipeline is the mesh's outer dimension; the slowest hand-over paces it)."""
+        if not spans_machines(layout.pp, layout.dp * layout.tp, layout):
             return self.links.seconds("send_recv", size)
         bandwidth, latency = self.machine.inter_node
         return latency + size / bandwidth
 
-    def p2p_bandwidth(self, layout: Layout) -> float:
-        """Bytes/s of one process's messages to another: the machines' links when the
-        layout spans machines (most of a parameter server's traffic crosses them)."""
-        if layout.nnodes == 1:
-            return self.links.p2p_bandwidth
-        return min(self.links.p2p_bandwidth, self.machine.inter_node[0])
-
-    def allreduce(self, size: float, n: int, layout: Layout) -> float:
-        """One all-reduce of `size` bytes over `n` ranks (across machines when the layout
-        spans several: flat ring or hierarchical)."""
-        if layout.nnodes == 1 or n <= layout.nproc:
+    def allreduce(self, size: float, n: int, layout: Layout, stride: int = 1) -> float:
+        """One all-reduce of `size` bytes over a group of `n` ranks `stride` apart: inside
+        a machine on the measured links; the whole job across machines as a flat ring or
+        hierarchically; a smaller group across machines as a ring through their links."""
+        if not spans_machines(n, stride, layout):
             return self.links.seconds("all_reduce", size, n)
+        bandwidth, latency = self.machine.inter_node
+        if n < layout.world:
+            return costs.ring_allreduce_seconds(size, n, bandwidth, latency * 2 * (n - 1))
         intra = (self.links.bus_bandwidth, self.links.latency_seconds)
         if layout.hierarchical:
             return costs.hierarchical_seconds(
@@ -161,6 +158,12 @@ class Inputs:
         return costs.flat_multinode_seconds(
             size, layout.nproc, layout.nnodes, self.machine.inter_node
         )
+
+
+def spans_machines(n: int, stride: int, layout: Layout) -> bool:
+    """True if a group of `n` ranks `stride` apart holds ranks of more than one machine
+    (ranks fill machines in order, `layout.nproc` each)."""
+    return layout.nnodes > 1 and stride * (n - 1) + 1 > layout.nproc
 
 
 def jitter_wait(step: StepTime, ranks: int, busy: float) -> float:

@@ -57,7 +57,7 @@ def model_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     buffers = 0.0
     if dp > 1:
         grads = f.grad_bytes * param_share * t_split
-        comm += inputs.allreduce(grads, dp, layout)
+        comm += inputs.allreduce(grads, dp, layout, stride=tp)
         buffers = grads  # the replicas' reduction buffers
     held = costs.micro_batches_held(layout.schedule or "gpipe", pp, m, 0) if pp > 1 else 1
     saved = activation_bytes(inputs, micro) * held * act_share

@@ -4,9 +4,10 @@ restarted worker group.
 Horovod keeps committed state in the memory of the processes that survive a failure.
 dtrain restarts every process of the group instead, so each commit is also written to a
 folder the restarted processes find: ``DTRAIN_ELASTIC_DIR`` (``horovodrun`` sets it to a
-folder of its own for each job and removes it at the end), else, under a launcher,
-``<tmp>/dtrain-elastic-<run id>`` (the run id is the launcher's, the same for every
-restart of one job); without a launcher there is no folder and commits stay in memory.
+folder of its own for each job and removes it at the end), else, under dtrain's
+launcher, ``<tmp>/dtrain-elastic-<token>`` (a token the launcher draws for each job, the
+same for every restart of it, so a later job never takes up an earlier one's commits);
+without a launcher there is no folder and commits stay in memory.
 
 The first process of each machine (local rank 0) writes ``state-<n>.pt`` (n numbers the
 states a script creates) to a temporary name and renames it, so a reader never sees half
@@ -27,7 +28,8 @@ from dtrain.horovod import basics
 
 DIR_VAR = "DTRAIN_ELASTIC_DIR"
 """Environment variable: the folder commits are written to (see the module docstring)."""
-_RUN_ID_VAR = "TORCHELASTIC_RUN_ID"
+_TOKEN_VAR = "DTRAIN_JOB_TOKEN"
+"""Set by dtrain's launcher (`dtrain.launch.runner.JOB_TOKEN`)."""
 
 
 def folder() -> Path | None:
@@ -35,9 +37,9 @@ def folder() -> Path | None:
     chosen = os.environ.get(DIR_VAR)
     if chosen:
         return Path(chosen)
-    run_id = os.environ.get(_RUN_ID_VAR)
-    if run_id:
-        return Path(tempfile.gettempdir()) / f"dtrain-elastic-{run_id}"
+    token = os.environ.get(_TOKEN_VAR)
+    if token:
+        return Path(tempfile.gettempdir()) / f"dtrain-elastic-{token}"
     return None
 
 

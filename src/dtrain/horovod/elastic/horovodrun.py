@@ -84,6 +84,13 @@ def machine_range(args: argparse.Namespace, hosts: list[Host]) -> tuple[int, int
             f"restart of the group), so give e.g. --min-np {max(1, low // slots) * slots} "
             f"--max-np {max(1, high // slots) * slots}, or change the slots per host."
         )
+    total = slots * len(hosts)
+    if args.np is not None and args.np != total:
+        raise ConfigError(
+            f"-np {args.np} does not match the {total} slots of the {len(hosts)} hosts: on "
+            "several machines every listed host starts with all its slots, so give -np "
+            f"{total}, or list the hosts the job should start on."
+        )
     if high // slots < len(hosts):
         raise ConfigError(
             f"{len(hosts)} hosts of {slots} slots run {len(hosts) * slots} processes, more "

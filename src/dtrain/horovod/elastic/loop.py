@@ -39,6 +39,9 @@ def _take_up_commit(state: State) -> None:
     if newest < 0:
         state.sync()
         return
+    # Every process counts on from the newest commit, with or without a copy of its own, so
+    # that a machine holding an older copy never outnumbers the others' later commits.
+    state.count_commits_from(newest)
     root = numbers.index(newest)
     state.on_reset()
     state.sync_from(root)
@@ -76,8 +79,8 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Result:
-        _take_up_commit(state)
         try:
+            _take_up_commit(state)  # collective: a peer may be lost here too
             return func(state, *args, **kwargs)
         except HorovodUsageError:
             raise  # processes disagreeing about an operation: a bug, not a lost peer

@@ -59,7 +59,10 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         remaining = [i for i in self._order() if i not in self.processed_indices]
         self.num_samples = math.ceil(len(remaining) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
-        self._padded = remaining + remaining[: self.total_size - len(remaining)]
+        # Repeat the remainder as often as needed: fewer samples than processes still give
+        # every process the same number of batches (a process with none would hang the others).
+        repeats = math.ceil(self.total_size / len(remaining)) if remaining else 0
+        self._padded = (remaining * repeats)[: self.total_size]
         self.indices = self._padded[self.rank : self.total_size : self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:

@@ -98,6 +98,10 @@ class State:
         restore it."""
         raise NotImplementedError
 
+    def count_commits_from(self, number: int) -> None:
+        """Number this state's next commit after `number` (the job's newest commit)."""
+        self._commits = number
+
     def resume(self) -> durable.Commit | None:
         """Restore this state from its last commit in the job's elastic folder, if any, and
         return that commit (None: nothing committed yet; nothing changed). Only the first
