@@ -40,7 +40,7 @@ MODELS = {
     "mlp": ["--model", "mlp"],
     "gpt-small": ["--model", "gpt", "--model-size", "small"],
 }
-STEPS = {"mlp": 400, "gpt-small": 40}
+STEPS = {"mlp": 1000, "gpt-small": 40}
 
 
 def dtrain(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models", default=",".join(MODELS), help="mlp, gpt-small")
     parser.add_argument(
-        "--steps", type=int, default=None, help="Steps per run (default: mlp 400, gpt-small 40)."
+        "--steps", type=int, default=None, help="Steps per run (default: mlp 1000, gpt-small 40)."
     )
     parser.add_argument("--cache", type=Path, default=Path("runs/plan_validation.json"))
     parser.add_argument(

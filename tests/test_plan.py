@@ -84,6 +84,16 @@ def test_machine_terms_and_memory_parts() -> None:
     assert inputs.crowd(Layout("towers", towers=2)) == 1.0
     gpu = Inputs(None, None, Machine(2, 1, 1, 1), 64, None)  # type: ignore[arg-type]
     assert gpu.crowd(Layout("ps", nproc=2, servers=2)) == 1.0
+    # Jitter pooled over the points probed beside other ranks: 16 s measured over 4 x 1 s
+    # + 4 x 2 s of lower-quartile steps is a third more; none probed alone: no jitter.
+    from dtrain.plan.calibrate import Calibration, StepTime
+
+    calibration = Calibration("cpu", None)  # type: ignore[arg-type]
+    calibration.steps = {
+        (8, 1, True): StepTime(0.5, 0.5, 0.0, totals=(1.0, 1.0, 1.0, 1.0)),
+        (16, 1, True): StepTime(1.0, 1.0, 0.0, totals=(2.0, 2.0, 2.0, 6.0)),
+    }
+    assert math.isclose(calibration.jitter(True), 1 / 3) and calibration.jitter(False) == 0
     e = Estimate(Layout("ddp", nproc=2), 32, 1.0, 2.0, 3.0, 4.0, 0.0, 100, 10, wait_seconds=1.0)
     e.buffer_bytes, e.global_batch = 5, 64
     e.crowded(2.0)
@@ -92,18 +102,30 @@ def test_machine_terms_and_memory_parts() -> None:
 
 def test_groups_that_span_machines_run_at_the_links_between_them() -> None:
     """A collective whose group spans machines is a ring through the slow links; inside
-    one machine it keeps the measured links; a pipeline whose stages span machines hands
-    over through them."""
+    one machine it keeps the measured links, their latency raised to the cost of one
+    synchronization in lockstep where the probe measured that higher; a pipeline whose
+    stages span machines hands over through them."""
+    from dtrain.plan.calibrate import Calibration, StepTime
     from dtrain.plan.inputs import Inputs
     from dtrain.plan.machine import Machine
 
     machine = Machine(2, 0, 1, 1, inter_node=(1e7, 1e-4))  # 10 MB/s, 0.1 ms between machines
-    inputs = Inputs(None, given(2, 1.0, 10.0), machine, 64, None)  # type: ignore[arg-type]
+    calibration = Calibration("cpu", None)  # type: ignore[arg-type]
+    inputs = Inputs(calibration, given(2, 1.0, 10.0), machine, 64, None)  # type: ignore[arg-type]
     two_hosts = Layout("zero3", nproc=1, nnodes=2)
     # 1 MB all-gathered over 2 ranks on 2 machines: 0.1 ms + 1/2 x 1 MB / 10 MB/s = 50.1 ms.
     assert math.isclose(inputs.collective("all_gather", 1e6, 2, two_hosts), 0.0501)
     one_host = Layout("zero3", nproc=2)
     assert math.isclose(inputs.collective("all_gather", 1e6, 2, one_host), 1e-5 + 0.5e-3)
+    # Ranks in lockstep took 0.2 ms (median of the shared points) to all-reduce one number:
+    # the 10 us latency becomes 0.2 ms inside the machine; across machines, as given.
+    calibration.steps = {
+        (b, 1, True): StepTime(1e-3, 1e-3, 1e-4, sync=sync)
+        for b, sync in ((8, 1e-4), (16, 2e-4), (32, 3e-4))
+    }
+    assert math.isclose(inputs.collective("all_gather", 1e6, 2, one_host), 2e-4 + 0.5e-3)
+    assert math.isclose(inputs.collective("all_gather", 1e6, 2, two_hosts), 0.0501)
+    assert inputs.local("all_reduce", 1e6, 1) == 0.0  # a group of one rank moves nothing
     stages = Layout("pipeline", nproc=1, nnodes=2, pp=2)
     assert math.isclose(inputs.stage_send(1e6, stages), 1e-4 + 0.1)
     # The mesh is pp x dp x tp, tp innermost; on 2 machines of 2: with pp 2 x dp 2 the
@@ -176,6 +198,10 @@ def test_plan_lists_runnable_candidates_that_fit(
     assert "--strategy ddp --nproc 2" in out_of_memory
     assert "First pick" in result["explanation"]
     assert result["calibration"]["engine_seconds"] >= 0
+    # The shared points ran in lockstep with a helper rank: each step synchronized.
+    shared = [s for s in result["calibration"]["steps"] if s["beside_other_ranks"]]
+    assert shared and all(s["sync"] > 0 and s["data"] > 0 for s in shared)
+    assert result["calibration"]["wrapper_overhead_seconds"]["pipeline"] >= 0
     for c in candidates:  # what --memory-report counts, the buffers, the activations
         parts = c["model_state_bytes"] + c["buffer_bytes"] + c["activation_bytes"]
         assert abs(c["memory_bytes_per_rank"] - parts) <= 2

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +27,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dtrain.plan.engine_probe import lower_quartile, time_engine_step, time_loading
+from dtrain.plan.engine_probe import (
+    endless_batches,
+    lower_quartile,
+    time_engine_step,
+    time_loading,
+)
+from dtrain.plan.lockstep import LEAVE, Helpers, Lockstep
 from dtrain.plan.source import Source, Workload
 from dtrain.plan.weigh import ModelFigures, sync, weigh
 from dtrain.tasks import make_optimizer
@@ -47,20 +51,14 @@ class StepTime:
     totals: tuple[float, ...] = ()
     """Every timed step's forward + backward + optimizer, sorted (their spread is the
     machine's jitter: other jobs, the scheduler)."""
+    sync: float = 0.0
+    """One synchronization with the other ranks in lockstep: a one-element all-reduce at
+    the end of each step (`dtrain.plan.lockstep`); 0 where no other rank was probed."""
 
     @property
     def compute(self) -> float:
         """Forward + backward."""
         return self.forward + self.backward
-
-    @property
-    def jitter(self) -> float:
-        """The share of time the machine's jitter adds to a step: the mean measured step
-        over the lower-quartile step the other terms use, less 1."""
-        low = self.forward + self.backward + self.optimizer
-        if not self.totals or low <= 0:
-            return 0.0
-        return max(0.0, sum(self.totals) / len(self.totals) / low - 1)
 
 
 @dataclass
@@ -78,6 +76,25 @@ class Calibration:
     engine_seconds: float = 0.0
     """Seconds per step the Engine's own work adds on every rank (`engine_probe`)."""
     probe_seconds: float = 0.0
+
+    @property
+    def sync_seconds(self) -> float:
+        """One synchronization of the ranks in lockstep (the median over the shared
+        points; 0 where none was probed)."""
+        syncs = [s.sync for (_, _, shared), s in self.steps.items() if shared and s.sync > 0]
+        return statistics.median(syncs) if syncs else 0.0
+
+    def jitter(self, shared: bool) -> float:
+        """The share of time the machine's jitter adds to a step, pooled over every point
+        probed alone (or `shared`): all their measured steps over as many lower-quartile
+        steps, less 1. Pooled, since one point's few rounds (a large model's step takes a
+        fifth of a second) let a single pause swing it."""
+        spent = low = 0.0
+        for (_, _, beside), s in self.steps.items():
+            if beside == shared and s.totals:
+                spent += sum(s.totals)
+                low += len(s.totals) * (s.forward + s.backward + s.optimizer)
+        return max(0.0, spent / low - 1) if low > 0 else 0.0
 
     def step(self, batch: int, threads: int, shared: bool) -> StepTime:
         """The step parts at `batch` and `threads`, alone or `shared` with other ranks
@@ -99,6 +116,7 @@ class Calibration:
             s0.optimizer,
             s0.data + w * (s1.data - s0.data),
             s0.totals if w < 0.5 else s1.totals,
+            s0.sync + w * (s1.sync - s0.sync),
         )
 
 
@@ -114,41 +132,53 @@ def _threads(count: int) -> Iterator[None]:
 
 
 def time_step(
-    work: Workload, model: nn.Module, batch: int, device: torch.device, seconds: float
+    work: Workload,
+    model: nn.Module,
+    batch: int,
+    device: torch.device,
+    seconds: float,
+    lockstep: Lockstep | None = None,
 ) -> StepTime:
-    """Median forward, backward and optimizer seconds of `model` at `batch` samples."""
+    """Lower-quartile forward, backward and optimizer seconds of `model` at `batch`
+    samples. In `lockstep` with helper ranks, each step also loads its batch and ends
+    with the group's all-reduce, both timed (alone, the loading is timed on its own)."""
     inputs, targets = work.batch(batch, device)
     optimizer = make_optimizer(work.optimizer, model, 1e-12)
-    forwards: list[float] = []
-    backwards: list[float] = []
-    updates: list[float] = []
+    loads = endless_batches(work, batch) if lockstep is not None else None
+    parts: list[tuple[float, float, float, float, float]] = []
     spent, rounds = 0.0, 0
     while rounds < 5 or (spent < seconds and rounds < 50):
         sync(device)
         t0 = time.perf_counter()
+        if loads is not None:
+            next(loads)
+        t1 = time.perf_counter()
         loss = work.loss_fn(model(inputs), targets)
         sync(device)
-        t1 = time.perf_counter()
+        t2 = time.perf_counter()
         loss.backward()
         sync(device)
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
-        t3 = time.perf_counter()
+        t4 = time.perf_counter()
+        if lockstep is not None:
+            lockstep.sync(batch)  # the helpers run this batch too
+        t5 = time.perf_counter()
         rounds += 1
         if rounds > 2:  # two warm-up rounds
-            forwards.append(t1 - t0)
-            backwards.append(t2 - t1)
-            updates.append(t3 - t2)
-            spent += t3 - t0
+            parts.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4))
+            spent += t5 - t0
+    data, forwards, backwards, updates, syncs = (list(p) for p in zip(*parts, strict=True))
     totals = tuple(sorted(f + b + u for f, b, u in zip(forwards, backwards, updates, strict=True)))
     return StepTime(
         lower_quartile(forwards),
         lower_quartile(backwards),
         lower_quartile(updates),
-        time_loading(work, batch, seconds),
+        lower_quartile(data) if loads is not None else time_loading(work, batch, seconds),
         totals,
+        lower_quartile(syncs) if lockstep is not None else 0.0,
     )
 
 
@@ -164,31 +194,40 @@ def measure(
     """Time the model at every (per-device batch, threads, shared) of `points`; weigh it.
 
     The shared points (the ranks of a multi-process layout) are timed while `contenders`
-    helper processes train the same model beside this one (`dtrain.plan.busy`), as the
-    other ranks of the job would: on the CPU they share the cores' memory and caches.
-    The `wrappers` (ddp, zero2, zero3, tensor) are timed then too, at the middle shared
-    batch, on a one-rank group.
+    helper processes train the same model beside this one, in lockstep with it
+    (`dtrain.plan.lockstep`), as the other ranks of the job would: on the CPU they share
+    the cores' memory and caches and wait for each other every step. The `wrappers`
+    (ddp, zero2, zero3, tensor) are timed then too, at the middle shared batch, on a
+    one-rank group, while the helpers train on their own.
     """
     from dtrain.plan.overheads import measure_overheads
 
     began = time.perf_counter()
     shared = sorted(p for p in points if p[2])
-    helpers = _start_helpers(source, shared, contenders)  # they build while we weigh
+    helpers = None
+    if shared and contenders > 0:  # they build while we weigh
+        batch, threads, _ = shared[len(shared) // 2]
+        helpers = Helpers(source, batch, threads, contenders)
     try:
         model = copy.deepcopy(work.model).to(device)
         figures = weigh(work, model, device, max(p[0] for p in points))
         calibration = Calibration(_describe(device), figures)
         # The helpers' start (importing torch, building the model) would disturb the
         # one-process points and the Engine probe: they wait for it, idle.
-        _wait_ready(helpers)
+        if helpers is not None:
+            helpers.wait_ready()
         for point in sorted(p for p in points if not p[2]):
             with _threads(point[1]):
                 calibration.steps[point] = time_step(work, model, point[0], device, seconds)
         calibration.engine_seconds = _engine_seconds(work, calibration, device, seconds)
-        _go(helpers)
+        lockstep = helpers.go() if helpers is not None else None
         for point in shared:
             with _threads(point[1]):
-                calibration.steps[point] = time_step(work, model, point[0], device, seconds)
+                calibration.steps[point] = time_step(
+                    work, model, point[0], device, seconds, lockstep
+                )
+        if lockstep is not None:
+            lockstep.sync(LEAVE)  # the helpers train on, on their own
         if shared and wrappers:
             batch, threads, _ = shared[len(shared) // 2]
             with _threads(threads):
@@ -196,7 +235,8 @@ def measure(
                     work, device, batch, seconds, set(wrappers)
                 )
     finally:
-        _stop(helpers)
+        if helpers is not None:
+            helpers.stop()
     calibration.copy_bandwidth = copy_bandwidth(figures.param_bytes, device)
     calibration.probe_seconds = time.perf_counter() - began
     return calibration
@@ -218,47 +258,6 @@ def _engine_seconds(
         sum(bare.totals) / len(bare.totals) if bare.totals else bare.compute + bare.optimizer
     )
     return max(0.0, whole - bare.data - mean_bare)
-
-
-def _start_helpers(
-    source: Source, shared: list[tuple[int, int, bool]], count: int
-) -> list[subprocess.Popen[str]]:
-    if not shared or count < 1:
-        return []
-    batch, threads, _ = shared[len(shared) // 2]
-    command = [sys.executable, "-m", "dtrain.plan.busy", str(batch), str(threads), *source.args()]
-    return [
-        subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for _ in range(count)
-    ]
-
-
-def _wait_ready(helpers: list[subprocess.Popen[str]]) -> None:
-    """Wait until every helper has built its model (and is idle, waiting for `_go`)."""
-    for helper in helpers:
-        assert helper.stdout is not None
-        if helper.stdout.readline().strip() != "ready":
-            raise RuntimeError("a compute-probe helper process failed to start")
-
-
-def _go(helpers: list[subprocess.Popen[str]]) -> None:
-    """Let every helper train."""
-    for helper in helpers:
-        assert helper.stdin is not None
-        helper.stdin.write("go\n")
-        helper.stdin.flush()
-
-
-def _stop(helpers: list[subprocess.Popen[str]]) -> None:
-    for helper in helpers:
-        assert helper.stdin is not None
-        helper.stdin.close()
-    for helper in helpers:
-        try:
-            helper.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            helper.kill()
-            helper.wait()
 
 
 def copy_bandwidth(size: int, device: torch.device) -> float:

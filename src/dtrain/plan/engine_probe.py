@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import itertools
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -42,29 +44,32 @@ def dataset_of(work: Workload) -> Dataset:
     return TensorDataset(inputs, targets)
 
 
-def time_loading(work: Workload, batch: int, seconds: float) -> float:
-    """Lower-quartile seconds to load one batch of `batch` samples with the loader
+def endless_batches(work: Workload, batch: int) -> Iterator[object]:
+    """Batches of `batch` samples loaded, epoch after epoch, with the loader
     `engine.dataloader` builds (a shuffling sharded batch sampler over the data set)."""
     from dtrain.data import ShardedBatchSampler
 
     dataset = dataset_of(work)
     size = len(dataset)  # type: ignore[arg-type]
-    batch = min(batch, size)
-    loader = DataLoader(dataset, batch_sampler=ShardedBatchSampler(size, batch, seed=0))
+    sampler = ShardedBatchSampler(size, min(batch, size), seed=0)
+    loader = DataLoader(dataset, batch_sampler=sampler)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from loader
+
+
+def time_loading(work: Workload, batch: int, seconds: float) -> float:
+    """Lower-quartile seconds to load one batch of `batch` samples (`endless_batches`)."""
+    loads = endless_batches(work, batch)
+    next(loads)  # the first builds the loader's iterator
     times: list[float] = []
-    spent, epoch = 0.0, 0
+    spent = 0.0
     while len(times) < 9 or (spent < seconds / 4 and len(times) < 200):
-        loader.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
-        epoch += 1
         began = time.perf_counter()
-        for _ in loader:
-            now = time.perf_counter()
-            times.append(now - began)
-            spent += now - began
-            began = now
-            if len(times) >= 200:
-                break
-    return lower_quartile(times[1:])
+        next(loads)
+        times.append(time.perf_counter() - began)
+        spent += times[-1]
+    return lower_quartile(times)
 
 
 def time_engine_step(work: Workload, batch: int, device: torch.device, seconds: float) -> float:

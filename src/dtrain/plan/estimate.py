@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dtrain.plan import costs
-from dtrain.plan.inputs import Estimate, Inputs, activation_bytes, jitter_wait, overlapped
+from dtrain.plan.inputs import Estimate, Inputs, activation_bytes, overlapped
 from dtrain.plan.layouts import Layout
 from dtrain.plan.machine import Machine
 from dtrain.plan.model_parallel import model_parallel
@@ -25,7 +25,8 @@ def _single(inputs: Inputs, layout: Layout) -> Estimate:
     states = costs.zero_model_states(f.param_bytes, f.grad_bytes, f.optimizer_bytes, 1, 0, False)
     return Estimate(
         layout, inputs.global_batch, s.data, s.compute, 0.0, s.optimizer, 0.0, states,
-        activation_bytes(inputs, inputs.global_batch), wait_seconds=jitter_wait(s, 1, s.compute),
+        activation_bytes(inputs, inputs.global_batch),
+        wait_seconds=inputs.jitter_wait(1, s.compute, shared=False),
     )  # fmt: skip
 
 
@@ -38,9 +39,10 @@ def _towers(inputs: Inputs, layout: Layout) -> Estimate:
     b = inputs.global_batch / t
     part = inputs.single_step(b)
     if inputs.machine.gpus:
-        compute, copies, lost = part.compute, t, jitter_wait(part, t, part.compute)
+        compute, copies, lost = part.compute, t, inputs.jitter_wait(t, part.compute, False)
     else:
-        compute, copies, lost = t * part.compute, t - 1, jitter_wait(part, 1, t * part.compute)
+        compute, copies = t * part.compute, t - 1
+        lost = inputs.jitter_wait(1, compute, shared=False)
     moved = costs.towers_replication_bytes(f.param_bytes, copies)
     whole = inputs.single_step(inputs.global_batch)
     states = f.param_bytes + f.grad_bytes + f.optimizer_bytes
@@ -74,7 +76,7 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
         states += f.optimizer_bytes * (share - 1 / n)
     return Estimate(
         layout, b, s.data, s.compute, comm, optimizer, 0.0, states, activation_bytes(inputs, b),
-        wait_seconds=jitter_wait(s, n, s.compute), overhead_seconds=inputs.overhead("ddp"),
+        wait_seconds=inputs.jitter_wait(n, s.compute), overhead_seconds=inputs.overhead("ddp"),
         buffer_bytes=f.grad_bytes,  # DDP's gradient buckets at the peak of backward
     )  # fmt: skip
 
@@ -107,7 +109,7 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
     states = costs.zero_model_states(f.param_bytes, f.grad_bytes, f.optimizer_bytes, shard, stage)
     return Estimate(
         layout, b, s.data, s.compute, comm, s.optimizer / shard, 0.0, states,
-        activation_bytes(inputs, b), wait_seconds=jitter_wait(s, n, s.compute),
+        activation_bytes(inputs, b), wait_seconds=inputs.jitter_wait(n, s.compute),
         overhead_seconds=inputs.overhead("zero2" if stage == 2 else "zero3"),
     )  # fmt: skip
 
@@ -123,11 +125,11 @@ def _parameter_server(inputs: Inputs, layout: Layout) -> Estimate:
     s = inputs.step(b, layout.processes_per_node)
     bandwidth = inputs.links.p2p_bandwidth
     comm = costs.ps_step_seconds(f.param_bytes, n, k, bandwidth)
-    comm += 2 * inputs.links.seconds("send_recv", 0)
+    comm += 2 * inputs.local("send_recv", 0)
     states = f.param_bytes + f.grad_bytes
     return Estimate(
         layout, b, s.data, s.compute, comm, s.optimizer / k, 0.0, states,
-        activation_bytes(inputs, b), wait_seconds=jitter_wait(s, n, s.compute),
+        activation_bytes(inputs, b), wait_seconds=inputs.jitter_wait(n, s.compute),
     )  # fmt: skip
 
 
@@ -172,6 +174,8 @@ def wrappers_of(layouts: list[Layout]) -> set[str]:
             out.add("zero3")
         if layout.tp > 1:
             out.add("tensor")
+        if layout.pp > 1:
+            out.add("pipeline")
         if layout.strategy == "hybrid" and layout.dp > 1:
             out.add("zero2")
     return out

@@ -115,9 +115,26 @@ class Inputs:
         threads = self.machine.threads(processes) if processes > 1 else self.machine.single_threads
         return max(1.0, processes * max(1, threads) / self.machine.cores)
 
+    def jitter_wait(self, ranks: int, busy: float, shared: bool = True) -> float:
+        """Time lost to jitter by `ranks` ranks in lockstep that compute for `busy`
+        seconds: each rank's pauses (the measured jitter share of its time, `shared` with
+        other ranks or alone) stall every rank, so the losses add up: ranks x jitter x
+        busy (for rare, short pauses)."""
+        return ranks * self.calibration.jitter(shared) * busy
+
     def overhead(self, wrapper: str) -> float:
         """Seconds per step the torch `wrapper` adds by itself (0 if not measured)."""
         return self.calibration.overheads.get(wrapper, 0.0)
+
+    def local(self, op: str, size: float, n: int | None = None) -> float:
+        """One `op` of `size` bytes over `n` ranks of this machine (default: the probed
+        count): the link probe's time, measured back to back, with its latency raised to
+        the cost of one synchronization in lockstep where that is higher (ranks that
+        compute between their collectives arrive apart and wait for each other)."""
+        seconds = self.links.seconds(op, size, n)
+        if seconds == 0:  # a group of one rank
+            return 0.0
+        return seconds + max(0.0, self.calibration.sync_seconds - self.links.seconds(op, 0, n))
 
     def collective(self, op: str, size: float, n: int, layout: Layout, stride: int = 1) -> float:
         """One `op` of `size` bytes over a group of `n` ranks of `layout`, `stride` ranks
@@ -128,7 +145,7 @@ class Inputs:
         if op == "all_reduce":
             return self.allreduce(size, n, layout, stride)
         if not spans_machines(n, stride, layout):
-            return self.links.seconds(op, size, n)
+            return self.local(op, size, n)
         bandwidth, latency = self.machine.inter_node
         steps = n - 1 if op in ("all_gather", "reduce_scatter") else 1
         return latency * steps + bus_factor(op, n) * size / bandwidth
@@ -137,7 +154,7 @@ class Inputs:
         """One pipeline hand-over of `size` bytes: between machines when the stages span
         them (the pipeline is the mesh's outer dimension; the slowest hand-over paces it)."""
         if not spans_machines(layout.pp, layout.dp * layout.tp, layout):
-            return self.links.seconds("send_recv", size)
+            return self.local("send_recv", size)
         bandwidth, latency = self.machine.inter_node
         return latency + size / bandwidth
 
@@ -146,7 +163,7 @@ class Inputs:
         a machine on the measured links; the whole job across machines as a flat ring or
         hierarchically; a smaller group across machines as a ring through their links."""
         if not spans_machines(n, stride, layout):
-            return self.links.seconds("all_reduce", size, n)
+            return self.local("all_reduce", size, n)
         bandwidth, latency = self.machine.inter_node
         if n < layout.world:
             return costs.ring_allreduce_seconds(size, n, bandwidth, latency * 2 * (n - 1))
@@ -164,13 +181,6 @@ def spans_machines(n: int, stride: int, layout: Layout) -> bool:
     """True if a group of `n` ranks `stride` apart holds ranks of more than one machine
     (ranks fill machines in order, `layout.nproc` each)."""
     return layout.nnodes > 1 and stride * (n - 1) + 1 > layout.nproc
-
-
-def jitter_wait(step: StepTime, ranks: int, busy: float) -> float:
-    """Time lost to jitter by `ranks` ranks in lockstep that compute for `busy` seconds:
-    each rank's pauses (the measured jitter share of its time) stall every rank, so the
-    losses add up: ranks x jitter x busy (for rare, short pauses)."""
-    return ranks * step.jitter * busy
 
 
 def activation_bytes(inputs: Inputs, batch: float) -> float:

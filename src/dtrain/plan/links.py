@@ -25,7 +25,7 @@ from pathlib import Path
 from dtrain.errors import ConfigError
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv")
-PROBE_ARGS = ("--min-bytes", "4K", "--max-bytes", "16M", "--iters", "5", "--warmup", "2")
+PROBE_ARGS = ("--min-bytes", "4K", "--max-bytes", "16M", "--iters", "11", "--warmup", "2")
 
 
 def bus_factor(op: str, n: int) -> float:

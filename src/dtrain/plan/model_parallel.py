@@ -8,7 +8,7 @@ tensor-parallel ranks (Megatron's all-reduces); dp replicas all-reduce their gra
 from __future__ import annotations
 
 from dtrain.plan import costs
-from dtrain.plan.inputs import Estimate, Inputs, activation_bytes, jitter_wait
+from dtrain.plan.inputs import Estimate, Inputs, activation_bytes
 from dtrain.plan.layouts import Layout
 from dtrain.plan.weigh import TensorFigures
 
@@ -62,11 +62,10 @@ def model_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     held = costs.micro_batches_held(layout.schedule or "gpipe", pp, m, 0) if pp > 1 else 1
     saved = activation_bytes(inputs, micro) * held * act_share
     data = inputs.step(replica_batch, layout.processes_per_node).data
-    # The jitter of a step of the replica's whole batch (that of tiny micro-batch steps
-    # overstates it: a pause of the machine costs the same time whatever the step).
-    whole = inputs.step(replica_batch, layout.processes_per_node)
-    lost = jitter_wait(whole, layout.world, slots * per_micro)
+    lost = inputs.jitter_wait(layout.world, slots * per_micro)
     overhead = m * inputs.overhead("tensor") * share if tp > 1 else 0.0
+    if pp > 1:  # the schedule's own work for each of its v x m micro-batch passes
+        overhead += layout.virtual * m * inputs.overhead("pipeline")
     if dp > 1:  # replicas of stages or of DTensor layers: FSDP2's replicate
         overhead += inputs.overhead("zero2") * param_share
     return Estimate(

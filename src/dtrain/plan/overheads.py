@@ -1,8 +1,9 @@
 """What the torch wrappers cost per step by themselves, measured on a one-rank group.
 
 DDP's hooks and buckets, FSDP2's unit-by-unit gather and scatter bookkeeping, DTensor's
-dispatch for tensor parallelism: their Python and copy work per step is not in the plain
-model's step, and on small models it is most of the step. Each is timed here as the
+dispatch for tensor parallelism, a pipeline schedule's work per micro-batch: their Python
+and copy work per step is not in the plain model's step, and on small models it is most
+of the step. Each is timed here as the
 wrapped model's step on a group of one rank (gloo, or NCCL on a GPU) less the plain
 model's, at the same batch and threads: the collectives of one rank move nothing, so what
 remains is the wrapper's own work. The cost model adds the link's time for the bytes on
@@ -23,9 +24,12 @@ from torch import nn
 
 from dtrain.plan.source import Workload
 
-WRAPPERS = ("ddp", "zero2", "zero3", "tensor")
+WRAPPERS = ("ddp", "zero2", "zero3", "tensor", "pipeline")
 """The wrappers timed: DDP; FSDP2 keeping (zero2) or freeing (zero3) gathered parameters
-after forward; the model's tensor-parallel plan (DTensor)."""
+after forward; the model's tensor-parallel plan (DTensor); a pipeline schedule, per
+micro-batch (`pipeline_seconds`)."""
+PIPELINE_MICROBATCHES = 4
+"""Micro-batches of the one-stage schedule that `pipeline_seconds` times."""
 
 
 def _ddp(model: nn.Module, mesh: object) -> nn.Module:
@@ -101,6 +105,45 @@ def _paired(
     return max(0.0, statistics.median(differences))
 
 
+def pipeline_seconds(work: Workload, device: torch.device, batch: int, seconds: float) -> float:
+    """The pipeline schedule's own seconds per micro-batch (its forward and backward
+    actions, the loss, the shape checks), at micro-batches of `batch` samples: a
+    one-stage GPipe schedule of `PIPELINE_MICROBATCHES` micro-batches on the one-rank
+    group, less as many plain steps of a micro-batch, paired round by round."""
+    from dtrain.parallel.pipeline import Pipeline
+    from dtrain.tasks import make_optimizer
+
+    m = PIPELINE_MICROBATCHES
+    plain = copy.deepcopy(work.model).to(device)
+    opt_plain = make_optimizer(work.optimizer, plain, 1e-12)
+    staged = copy.deepcopy(work.model).to(device)
+    opt_staged = make_optimizer(work.optimizer, staged, 1e-12)
+    pipeline = Pipeline({0: staged}, 1, "gpipe", m, dist.group.WORLD, device)
+    inputs, targets = work.batch(batch * m, device)
+    micro = (inputs[:batch], targets[:batch])
+
+    def piped() -> float:
+        began = time.perf_counter()
+        pipeline.step(inputs, targets, work.loss_fn)
+        opt_staged.step()
+        opt_staged.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # calibration only, never a training step
+        return time.perf_counter() - began
+
+    for _ in range(2):  # warm-up (the first step fixes the schedule's shapes)
+        piped()
+        _one_step(work, plain, opt_plain, micro)
+    differences: list[float] = []
+    spent = 0.0
+    while len(differences) < 7 or (spent < seconds and len(differences) < 60):
+        a = sum(_one_step(work, plain, opt_plain, micro) for _ in range(m))
+        b = piped()
+        differences.append((b - a) / m)
+        spent += a + b
+    return max(0.0, statistics.median(differences))
+
+
 def measure_overheads(
     work: Workload, device: torch.device, batch: int, seconds: float, wanted: set[str]
 ) -> dict[str, float]:
@@ -124,13 +167,15 @@ def measure_overheads(
         mesh = init_device_mesh(device.type, (1,))
         data = work.batch(batch, device)
         plain = copy.deepcopy(work.model).to(device)
-        for name in sorted(wanted):
+        for name in sorted(wanted - {"pipeline"}):
             try:
                 model = BUILDERS[name](copy.deepcopy(work.model).to(device), mesh)
             except Exception:  # the model does not take this wrapper: nothing to add
                 continue
             out[name] = _paired(work, plain, model, data, seconds)
             del model
+        if "pipeline" in wanted:
+            out["pipeline"] = pipeline_seconds(work, device, batch, seconds)
     finally:
         gc.collect()  # no DDP or FSDP object may outlive the group (a gloo teardown crash)
         dist.destroy_process_group()
