@@ -4,6 +4,9 @@ Run by hand, as root (the test hosts are network namespaces, tests/cluster.py):
 
     OMP_NUM_THREADS=1 python benchmarks/plan_validation_hosts.py --rate 100mbit --models gpt-small
 
+The runs are kept in --cache (JSON), so that a change of the cost model can be checked
+against them with --reuse (no test hosts are made then).
+
 It builds `--hosts` test hosts whose links are shaped to `--rate` with tbf, asks `dtrain
 plan --nproc 1 --nnodes H` for the candidates, telling it the link (`--inter-node-gbps`
 from the rate; the planner does not measure between machines), then runs every candidate
@@ -107,13 +110,25 @@ def main() -> None:
     parser.add_argument("--models", default="gpt-small", help="mlp, gpt-small")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--cache", type=Path, default=Path("runs/plan_validation_hosts.json"))
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="Predict anew against the cached runs; run nothing (no test hosts are made).",
+    )
     args = parser.parse_args()
+    cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
+    if args.reuse:
+        for name in args.models.split(","):
+            result = plan(MODELS[name], args.hosts, args.rate, args.latency_us)
+            runs = cache[name]
+            report(name, args, result, runs["measured"], runs["memory"])
+        return
     with cluster.cluster(args.hosts, rate=args.rate) as made:
         for name in args.models.split(","):
             model = MODELS[name]
             result = plan(model, args.hosts, args.rate, args.latency_us)
             optimizer = optimizer_of(result)
-            predicted = {c["flags"]: [c["samples_per_second"]] for c in result["candidates"]}
             measured: dict[str, list[float]] = {}
             memory: dict[str, int] = {}
             print(f"load before: {load()}", flush=True)
@@ -126,9 +141,24 @@ def main() -> None:
                         measured.setdefault(c["flags"], []).append(got["samples_per_second"])
                         memory[c["flags"]] = got["memory"]
                     print(f"[{name} {repeat + 1}/{args.repeats}] {c['flags']}: {got}", flush=True)
-            title = f"{name} on {args.hosts} hosts x 1 process, links at {args.rate}"
-            print(table(title, result, predicted, measured, memory)[0], flush=True)
+            cache[name] = {"measured": measured, "memory": memory}
+            args.cache.parent.mkdir(parents=True, exist_ok=True)
+            args.cache.write_text(json.dumps(cache, indent=1))
+            report(name, args, result, measured, memory)
             print(f"load after: {load()}\n", flush=True)
+
+
+def report(
+    name: str,
+    args: argparse.Namespace,
+    result: dict,
+    measured: dict[str, list[float]],
+    memory: dict[str, int],
+) -> None:
+    """Print the markdown table of `name`'s predictions against its measured runs."""
+    predicted = {c["flags"]: [c["samples_per_second"]] for c in result["candidates"]}
+    title = f"{name} on {args.hosts} hosts x 1 process, links at {args.rate}"
+    print(table(title, result, predicted, measured, memory)[0], flush=True)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ def test_groups_that_span_machines_run_at_the_links_between_them() -> None:
     two_hosts = Layout("zero3", nproc=1, nnodes=2)
     # 1 MB all-gathered over 2 ranks on 2 machines: 0.1 ms + 1/2 x 1 MB / 10 MB/s = 50.1 ms.
     assert math.isclose(inputs.collective("all_gather", 1e6, 2, two_hosts), 0.0501)
+    # gloo's reduce-scatter moves an all-reduce's bytes: 2 x 1/2 x 1 MB / 10 MB/s + 2 x 0.1 ms.
+    assert math.isclose(inputs.collective("reduce_scatter", 1e6, 2, two_hosts), 0.1002)
     one_host = Layout("zero3", nproc=2)
     assert math.isclose(inputs.collective("all_gather", 1e6, 2, one_host), 1e-5 + 0.5e-3)
     # Ranks in lockstep took 0.2 ms (median of the shared points) to all-reduce one number:

@@ -12,7 +12,8 @@ buckets, communication buffers and the gathered parameters of blocks in flight.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -27,6 +28,22 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
         local = t.to_local() if isinstance(t, DTensor) else t
         total += local.numel() * local.element_size()
     return total
+
+
+@contextmanager
+def held_after_forward(model: nn.Module, enabled: bool) -> Iterator[list[int]]:
+    """While open (and `enabled`), record the parameter bytes `model` holds each time its
+    forward ends: FSDP2 under zero2 keeps every gathered parameter from then until
+    backward, and has resharded them by the time backward is over."""
+    seen: list[int] = []
+    if not enabled:
+        yield seen
+        return
+    handle = model.register_forward_hook(lambda *_: seen.append(parameter_bytes(model)))
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def gradient_bytes(model: nn.Module) -> int:

@@ -141,11 +141,16 @@ class Inputs:
         apart (the product of the mesh's inner dimensions: tp for a dp group, dp x tp for
         the pipeline's stages): on the measured links inside a machine, or, when the group
         spans machines, as a ring through the links between them, whose every step waits
-        for them (bus bytes over their bandwidth, a latency per step)."""
+        for them (bus bytes over their bandwidth, a latency per step). gloo's
+        reduce-scatter (the CPU's) moves an all-reduce's bytes, twice a ring
+        reduce-scatter's (counted on the wire: 2 S for 2 ranks), so across machines it
+        costs an all-reduce; inside one the link probe measured the op itself."""
         if op == "all_reduce":
             return self.allreduce(size, n, layout, stride)
         if not spans_machines(n, stride, layout):
             return self.local(op, size, n)
+        if op == "reduce_scatter" and not self.machine.gpus:
+            return self.allreduce(size, n, layout, stride)
         bandwidth, latency = self.machine.inter_node
         steps = n - 1 if op in ("all_gather", "reduce_scatter") else 1
         return latency * steps + bus_factor(op, n) * size / bandwidth

@@ -97,16 +97,17 @@ def _stage_shares(inputs: Inputs, layout: Layout) -> tuple[float, float, float, 
     starts = partition([x.param_bytes or 1 for x in layers], stages)
     ends = [*starts[1:], len(layers)]
     groups = [layers[a:b] for a, b in zip(starts, ends, strict=True)]
+    last = len(groups) - 1  # its output (the logits) goes to the loss, never to a stage
     total_params = sum(x.param_bytes for x in layers) or 1
     ranks = []
     for r in range(layout.pp):
-        mine = [g for i, g in enumerate(groups) if i % layout.pp == r]
-        flat = [x for g in mine for x in g]
+        mine = [i for i in range(len(groups)) if i % layout.pp == r]
+        flat = [x for i in mine for x in groups[i]]
         ranks.append(
             (
                 sum(x.time_share for x in flat),
                 sum(x.activation_share for x in flat),
-                max((g[-1].output_bytes_per_sample for g in mine), default=0.0),
+                max((groups[i][-1].output_bytes_per_sample for i in mine if i < last), default=0.0),
                 sum(x.param_bytes for x in flat) / total_params,
             )
         )
