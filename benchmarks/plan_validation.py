@@ -36,6 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import plan_plot
+
 MODELS = {
     "mlp": ["--model", "mlp"],
     "gpt-small": ["--model", "gpt", "--model-size", "small"],
@@ -178,7 +180,11 @@ def main() -> None:
     parser.add_argument(
         "--reuse", action="store_true", help="Use the cached measurements, run nothing."
     )
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="Also draw predicted against measured (PNG)."
+    )
     args = parser.parse_args()
+    points: list[plan_plot.Point] = []
     print(f"load average (1, 5, 15 min) at the start: {load()}", flush=True)
     cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
     for name in args.models.split(","):
@@ -213,6 +219,9 @@ def main() -> None:
         text, _, _ = table(name, result, predicted, measured, memory)
         print(text + "\n", flush=True)
         print(f"load average (1, 5, 15 min) after {name}: {load()}", flush=True)
+        points += plan_plot.points_of(name, result, measured)
+    if args.plot and points:
+        plan_plot.draw(points, args.plot, f"dtrain plan on {args.nproc} processes, this machine")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import cluster  # noqa: E402 - the test hosts live beside the tests
+import plan_plot  # noqa: E402
 from plan_validation import MODELS, dtrain, load, model_states, optimizer_of, table  # noqa: E402
 
 from dtrain.plan.layouts import MASTER_PLACEHOLDER  # noqa: E402
@@ -116,14 +117,28 @@ def main() -> None:
         action="store_true",
         help="Predict anew against the cached runs; run nothing (no test hosts are made).",
     )
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="Also draw predicted against measured (PNG)."
+    )
     args = parser.parse_args()
     cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
+    points: list[plan_plot.Point] = []
     if args.reuse:
         for name in args.models.split(","):
             result = plan(MODELS[name], args.hosts, args.rate, args.latency_us)
             runs = cache[name]
-            report(name, args, result, runs["measured"], runs["memory"])
-        return
+            points += report(name, args, result, runs["measured"], runs["memory"])
+    else:
+        points = run_all(args, cache)
+    if args.plot and points:
+        title = f"dtrain plan on {args.hosts} test hosts x 1 process, links at {args.rate}"
+        plan_plot.draw(points, args.plot, title)
+
+
+def run_all(args: argparse.Namespace, cache: dict) -> list[plan_plot.Point]:
+    """Make the test hosts, run every candidate of every model there, keep the runs in
+    the cache, print each model's table; the plotted points."""
+    points: list[plan_plot.Point] = []
     with cluster.cluster(args.hosts, rate=args.rate) as made:
         for name in args.models.split(","):
             model = MODELS[name]
@@ -144,8 +159,9 @@ def main() -> None:
             cache[name] = {"measured": measured, "memory": memory}
             args.cache.parent.mkdir(parents=True, exist_ok=True)
             args.cache.write_text(json.dumps(cache, indent=1))
-            report(name, args, result, measured, memory)
+            points += report(name, args, result, measured, memory)
             print(f"load after: {load()}\n", flush=True)
+    return points
 
 
 def report(
@@ -154,11 +170,13 @@ def report(
     result: dict,
     measured: dict[str, list[float]],
     memory: dict[str, int],
-) -> None:
-    """Print the markdown table of `name`'s predictions against its measured runs."""
+) -> list[plan_plot.Point]:
+    """Print the markdown table of `name`'s predictions against its measured runs; the
+    points to plot."""
     predicted = {c["flags"]: [c["samples_per_second"]] for c in result["candidates"]}
     title = f"{name} on {args.hosts} hosts x 1 process, links at {args.rate}"
     print(table(title, result, predicted, measured, memory)[0], flush=True)
+    return plan_plot.points_of(name, result, measured)
 
 
 if __name__ == "__main__":

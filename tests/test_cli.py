@@ -263,6 +263,9 @@ def test_gpt_trains_under_zero3_and_reports_memory(tmp_path: Path) -> None:
     for row in memory:  # ZeRO-3, fp32 AdamW: 16 bytes per parameter over 2 ranks
         total = row["parameters"] + row["gradients"] + row["optimizer"]
         assert abs(total - 16 * params / 2) / (16 * params / 2) < 0.02
+        # zero3 reshards every unit after forward: no gathered parameters between forward
+        # and backward (zero2 keeps them, and reports all P there).
+        assert row["parameters_in_step"] == row["parameters"]
 
 
 def test_version_and_defaults_in_help(tmp_path: Path) -> None:
