@@ -245,8 +245,9 @@ def measure(
 def _engine_seconds(
     work: Workload, calibration: Calibration, device: torch.device, seconds: float
 ) -> float:
-    """The Engine's own seconds per step: a real one-process Engine's mean step at the
-    largest one-process batch probed, less that batch's loading and mean bare step."""
+    """The Engine's own seconds per step: a real one-process Engine's lower-quartile step
+    at the largest one-process batch probed, less that batch's loading and lower-quartile
+    bare step."""
     alone = [p for p in calibration.steps if not p[2]]
     if not alone:
         return 0.0
@@ -254,10 +255,8 @@ def _engine_seconds(
     bare = calibration.steps[(batch, threads, False)]
     with _threads(threads):
         whole = time_engine_step(work, batch, device, seconds)
-    mean_bare = (
-        sum(bare.totals) / len(bare.totals) if bare.totals else bare.compute + bare.optimizer
-    )
-    return max(0.0, whole - bare.data - mean_bare)
+    low_bare = lower_quartile(list(bare.totals)) if bare.totals else bare.compute + bare.optimizer
+    return max(0.0, whole - bare.data - low_bare)
 
 
 def copy_bandwidth(size: int, device: torch.device) -> float:

@@ -12,10 +12,10 @@ On a small model that is a large share of the step. Both are timed here:
   set (for `--script`/`--factory`, over the example samples), per batch size;
 - the Engine's bookkeeping: a few steps of a real one-process Engine (`dtrain.init` with
   strategy single) through `engine.progress` and `engine.train_step`, less the loading and
-  the bare step at the same batch (mean against mean, so that the machine's jitter, which
-  the cost model counts on its own, falls out). The bookkeeping is per step and per
-  parameter tensor, not per sample, so it is applied as it is to every rank of every
-  layout.
+  the bare step at the same batch (lower quartile against lower quartile, so that the
+  machine's jitter, which the cost model counts on its own, falls out). The bookkeeping
+  is per step and per parameter tensor, not per sample, so it is applied as it is to
+  every rank of every layout.
 """
 
 from __future__ import annotations
@@ -73,12 +73,13 @@ def time_loading(work: Workload, batch: int, seconds: float) -> float:
 
 
 def time_engine_step(work: Workload, batch: int, device: torch.device, seconds: float) -> float:
-    """Mean seconds of one whole step of a real one-process Engine at `batch` samples:
-    waiting for the loader, `engine.train_step`, the progress bar. The mean, not a
-    quantile: some of the Engine's work comes every few steps (the loss is read back
-    every `log_every` steps, the bar redrawn twice a second), so at least three rounds of
-    `log_every` are timed. The planner's random state is kept as it was (the Engine seeds
-    every generator)."""
+    """Lower-quartile seconds of one whole step of a real one-process Engine at `batch`
+    samples: waiting for the loader, `engine.train_step`, the progress bar. A quantile,
+    as for the bare step it is set against: a mean against a mean let one pause of a
+    long step (a fifth of a second on the GPT) pass for the Engine's work, 60 ms of it in
+    one calibration. The work that comes every few steps (the loss read back every
+    `log_every` steps, the bar redrawn twice a second) falls out; it is small. The
+    planner's random state is kept as it was (the Engine seeds every generator)."""
     import dtrain
     from dtrain.tasks import make_optimizer
 
@@ -112,7 +113,7 @@ def time_engine_step(work: Workload, batch: int, device: torch.device, seconds: 
         finally:
             engine.close(failed=True)  # no end-of-run summary
     random.setstate(state)
-    return statistics.mean(times[3:])  # the first steps build the Engine's caches
+    return lower_quartile(times[3:])  # the first steps build the Engine's caches
 
 
 def lower_quartile(times: list[float]) -> float:

@@ -105,11 +105,14 @@ def _paired(
     return max(0.0, statistics.median(differences))
 
 
-def pipeline_seconds(work: Workload, device: torch.device, batch: int, seconds: float) -> float:
+def pipeline_seconds(work: Workload, device: torch.device, seconds: float) -> float:
     """The pipeline schedule's own seconds per micro-batch (its forward and backward
-    actions, the loss, the shape checks), at micro-batches of `batch` samples: a
-    one-stage GPipe schedule of `PIPELINE_MICROBATCHES` micro-batches on the one-rank
-    group, less as many plain steps of a micro-batch, paired round by round."""
+    actions, the loss, the shape checks): a one-stage GPipe schedule of
+    `PIPELINE_MICROBATCHES` micro-batches on the one-rank group, less as many plain
+    steps of a micro-batch, paired round by round. The work is per micro-batch, not per
+    sample, so micro-batches of one sample measure it where the compute, and its noise,
+    is least (at 8 GPT samples a micro-batch the noise was larger than the work)."""
+    batch = 1
     from dtrain.parallel.pipeline import Pipeline
     from dtrain.tasks import make_optimizer
 
@@ -175,7 +178,7 @@ def measure_overheads(
             out[name] = _paired(work, plain, model, data, seconds)
             del model
         if "pipeline" in wanted:
-            out["pipeline"] = pipeline_seconds(work, device, batch, seconds)
+            out["pipeline"] = pipeline_seconds(work, device, seconds)
     finally:
         gc.collect()  # no DDP or FSDP object may outlive the group (a gloo teardown crash)
         dist.destroy_process_group()
