@@ -32,12 +32,7 @@ from dtrain.feeding import Feeder
 from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.loss_reads import LossReads
-from dtrain.observe.memory import (
-    gradient_bytes,
-    held_after_forward,
-    optimizer_bytes,
-    parameter_bytes,
-)
+from dtrain.observe.memory import InStep, gradient_bytes, optimizer_bytes, parameter_bytes
 from dtrain.observe.progress import Throughput, steady_rate
 from dtrain.observe.report import RunReport
 from dtrain.observe.timing import RunTiming
@@ -296,9 +291,8 @@ class Engine:
                 "micro-batches; use a larger batch or fewer micro-batches."
             )
         measure = self.config.memory_report and self.memory is None
-        held_in_step = 0
         mean: torch.Tensor | int = 0
-        with held_after_forward(self.strategy.unwrap(), measure) as seen:
+        with InStep(self.strategy.unwrap(), measure).watching() as held:
             for i, part in enumerate(split(batch, k) if k > 1 else [batch]):
                 sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
                 weight = batch_size(part) / total if k > 1 else 1.0
@@ -307,9 +301,7 @@ class Engine:
                     loss = self.strategy.forward_backward(part, loss_fn, weight)
                 timer.end_micro()
                 mean = loss if k == 1 else mean + loss * weight
-                if measure:  # parameters held between forward and backward
-                    held_in_step = max(held_in_step, parameter_bytes(self.strategy.unwrap()))
-        held_in_step = max([held_in_step, *seen])
+                held.read()
         assert isinstance(mean, torch.Tensor)
         self.timing.per_device_batch = batch_size(part)
         self._step_samples = total * self.strategy.dp_size
@@ -326,7 +318,7 @@ class Engine:
         if measure:
             self.memory = {
                 "parameters": parameter_bytes(self.strategy.unwrap()),
-                "parameters_in_step": held_in_step,
+                "parameters_in_step": held.peak,
                 "gradients": grads,
                 "optimizer": optimizer_bytes(self.optimizer),
             }

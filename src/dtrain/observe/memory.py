@@ -30,20 +30,34 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-@contextmanager
-def held_after_forward(model: nn.Module, enabled: bool) -> Iterator[list[int]]:
-    """While open (and `enabled`), record the parameter bytes `model` holds each time its
-    forward ends: FSDP2 under zero2 keeps every gathered parameter from then until
-    backward, and has resharded them by the time backward is over."""
-    seen: list[int] = []
-    if not enabled:
-        yield seen
-        return
-    handle = model.register_forward_hook(lambda *_: seen.append(parameter_bytes(model)))
-    try:
-        yield seen
-    finally:
-        handle.remove()
+class InStep:
+    """The most parameter bytes `model` held inside one training step: read when its
+    forward ends (FSDP2 under zero2 keeps every gathered parameter from then until
+    backward, and has resharded them once backward is over) and after each
+    forward + backward (`read`; a pipeline's stages never call the model's own forward).
+    Does nothing unless `enabled`."""
+
+    def __init__(self, model: nn.Module, enabled: bool) -> None:
+        self.model = model
+        self.enabled = enabled
+        self.peak = 0
+
+    def read(self) -> None:
+        """Count what the model holds now."""
+        if self.enabled:
+            self.peak = max(self.peak, parameter_bytes(self.model))
+
+    @contextmanager
+    def watching(self) -> Iterator[InStep]:
+        """While open, also read whenever the model's forward ends."""
+        if not self.enabled:
+            yield self
+            return
+        handle = self.model.register_forward_hook(lambda *_: self.read())
+        try:
+            yield self
+        finally:
+            handle.remove()
 
 
 def gradient_bytes(model: nn.Module) -> int:
