@@ -51,7 +51,21 @@ class Config:
     grad_accumulation: int = option(
         1, "Micro-batches per optimizer step; gradients are synchronised once per step."
     )
-    sync_batchnorm: bool = option(False, "Convert BatchNorm layers to SyncBatchNorm (ddp).")
+    sync_batchnorm: bool = option(
+        False,
+        "Normalise BatchNorm layers over the whole global batch (statistics all-reduced over "
+        "the data-parallel workers, CPU and GPU): ddp, zero1, zero2, zero3, hsdp, hybrid.",
+    )
+    find_unused_parameters: bool = option(
+        False,
+        "ddp, zero1: let DDP find, every step, the parameters that took no part in the loss "
+        "(a branch skipped always or sometimes); costs a walk of the graph per step.",
+    )
+    compile: bool = option(
+        False,
+        "torch.compile each repeated block after parallelising (a model passed in already "
+        "compiled is unwrapped and compiled this way too).",
+    )
     hierarchical: bool = option(
         False,
         "ddp: average gradients inside each machine, then across machines (one leader per "

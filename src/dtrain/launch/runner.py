@@ -46,7 +46,6 @@ from dtrain.launch.ssh import launch_over_ssh
 from dtrain.launch.watch import rendezvous_host_watched
 from dtrain.parallel.data_parallel import OFFLOAD_NEEDS_GPUS
 from dtrain.strategies import lookup
-from dtrain.strategies.ddp import SYNC_BATCHNORM_NEEDS_GPUS
 from dtrain.topology import mask_devices, use_gpus
 
 
@@ -70,11 +69,8 @@ class Target:
 def check_devices(config: Config) -> None:
     """With GPUs in use, one process per GPU: --nproc may not exceed the visible GPUs;
     without them, options that need GPUs are refused before any process starts."""
-    if not use_gpus(config):
-        if config.sync_batchnorm:
-            raise ConfigError(SYNC_BATCHNORM_NEEDS_GPUS)
-        if config.cpu_offload:
-            raise ConfigError(OFFLOAD_NEEDS_GPUS)
+    if not use_gpus(config) and config.cpu_offload:
+        raise ConfigError(OFFLOAD_NEEDS_GPUS)
     if lookup(config.strategy).multiprocess and use_gpus(config):
         visible = torch.cuda.device_count()
         if config.nproc > visible:

@@ -73,14 +73,19 @@ def apply_ddp(
     group: dist.ProcessGroup,
     device: torch.device,
     hosts: HostGroups | None = None,
+    find_unused_parameters: bool = False,
+    init_sync: bool = True,
 ) -> DistributedDataParallel:
-    """`model` replicated over `group` with DistributedDataParallel (broadcasts rank 0's
-    parameters at construction, so the replicas start equal); with `hosts`, gradients are
-    averaged machine by machine (`dtrain.parallel.hierarchical`)."""
+    """`model` replicated over `group` with DistributedDataParallel; with `hosts`,
+    gradients are averaged machine by machine (`dtrain.parallel.hierarchical`).
+    `find_unused_parameters`: DDP's option of that name. `init_sync`: broadcast rank 0's
+    parameters and buffers first (False where `dtrain.parallel.broadcast` already did)."""
     wrapped = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
+        init_sync=init_sync,
+        find_unused_parameters=find_unused_parameters,
     )
     if hosts is not None:
         wrapped.register_comm_hook(hosts, hierarchical_hook)
@@ -112,6 +117,8 @@ def apply_fsdp(
     """Shard each unit (a whole model or a pipeline stage) over `mesh`: its blocks first,
     then the unit itself (which takes the remaining parameters), then link the blocks for
     explicit prefetching (forward: the next block; backward: the previous one)."""
+    for unit in units:
+        _make_contiguous(unit)
     for unit, inner in zip(units, blocks, strict=True):
         trainable = [b for b in inner if any(p.requires_grad for p in b.parameters())]
         for block in trainable:
@@ -121,3 +128,13 @@ def apply_fsdp(
             for current, following in zip(trainable, trainable[1:], strict=False):
                 current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
                 following.set_modules_to_backward_prefetch([current])  # type: ignore[operator]
+
+
+@torch.no_grad()
+def _make_contiguous(module: nn.Module) -> None:
+    """Give every non-contiguous parameter (a transposed view, say) contiguous storage of
+    the same values, which FSDP2 needs to shard it; the parameter object is kept, so the
+    optimizer and the user's references still hold it."""
+    for param in module.parameters():
+        if not param.is_contiguous():
+            param.data = param.data.contiguous()

@@ -6,6 +6,7 @@ The order is fixed, as in torchtitan, because each step needs what the one befor
    (so a model bigger than one device fits once split);
 2. move this rank's units (the stages, or the whole model) to its device;
 3. tp: shard each unit's matrices with the model's tensor-parallel plan (DTensor);
+   then, with compile, compile each block in place (after tp, before dp wrappers);
 4. dp: replicate (DDP, or `replicate` when composed with pp/tp) or shard (FSDP2) each unit
    over the data-parallel ranks, block by block;
 5. pp: build the schedule over the wrapped stages.
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from dtrain.config import Config
+from dtrain.parallel.compile import compile_blocks
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import ParallelMesh
 from dtrain.parallel.hierarchical import host_groups
@@ -77,11 +79,13 @@ def parallelize(
     config: Config,
     device: torch.device,
     shard: ShardOptions | None,
+    compile: bool = False,
 ) -> Parallelized:
     """Apply pp, tp and dp to `model` in the fixed order above.
 
     `shard` None replicates the data-parallel ranks (nothing to do with one); otherwise
-    they shard with these options (FSDP2 applies them even on one rank).
+    they shard with these options (FSDP2 applies them even on one rank). `compile`:
+    `torch.compile` each block (`dtrain.parallel.compile`).
     """
     d = mesh.degrees
     plan = plan_of(model, d.tp) if d.tp_enabled else None
@@ -96,15 +100,21 @@ def parallelize(
     local = (
         Stage([layer for s in sorted(stages) for layer in stages[s].layers]) if stages else model
     )
+    blocks = _blocks(units, config)
+    if compile:
+        for unit, inner in zip(units, blocks, strict=True):
+            compile_blocks(unit, inner)
     # 4. dp.
     wrapped: nn.Module = model
     if shard is not None:
-        apply_fsdp(units, _blocks(units, config), mesh.dp_mesh, shard, device)
+        apply_fsdp(units, blocks, mesh.dp_mesh, shard, device)
     elif d.dp_enabled and (stages or plan is not None):
-        apply_replicate(units, _blocks(units, config), mesh.dp_mesh)
+        apply_replicate(units, blocks, mesh.dp_mesh)
     elif d.dp_enabled:
         hosts = host_groups(d.dp, config.nproc) if config.hierarchical else None
-        wrapped = apply_ddp(model, mesh.dp_group, device, hosts)
+        wrapped = apply_ddp(
+            model, mesh.dp_group, device, hosts, config.find_unused_parameters, init_sync=False
+        )
     if not stages:
         return Parallelized(wrapped, local)
     # 5. pp: the schedule over the wrapped stages.
@@ -120,10 +130,34 @@ def parallelize(
 
 
 def _blocks(units: list[nn.Module], config: Config) -> list[list[nn.Module]]:
-    """Each unit's blocks: a stage's layers, or the repeated blocks of a whole model."""
+    """Each unit's blocks: a stage's layers, or the repeated blocks of a whole model; a
+    block that shares a parameter with modules outside it (tied weights) is left to its
+    unit, which then holds the shared parameter once."""
     return [
-        [unit.get_submodule(n) for n in unit.layer_names]
-        if isinstance(unit, Stage)
-        else find_blocks(unit, config.blocks)
+        self_contained(
+            unit,
+            [unit.get_submodule(n) for n in unit.layer_names]
+            if isinstance(unit, Stage)
+            else find_blocks(unit, config.blocks),
+        )
         for unit in units
     ]
+
+
+def self_contained(unit: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The `blocks` of `unit` none of whose parameters is also held outside the block
+    (``head.weight = embedding.weight`` ties a head to an embedding): FSDP2 and compiled
+    blocks need each parameter to belong to one of them."""
+    holders: dict[int, set[str]] = {}
+    for name, param in unit.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), set()).add(name)
+    prefix = {id(m): name for name, m in unit.named_modules(remove_duplicate=False)}
+    kept = []
+    for block in blocks:
+        start = prefix[id(block)] + "."
+        if all(
+            all(n.startswith(start) for n in holders[id(p)])
+            for _, p in block.named_parameters(remove_duplicate=False)
+        ):
+            kept.append(block)
+    return kept

@@ -110,7 +110,8 @@ class Strategy:
         if config.sync_batchnorm and not cls.supports_sync_batchnorm:
             raise ConfigError(
                 f"--sync-batchnorm has no effect under strategy '{cls.name}'; drop it, or use "
-                "--strategy ddp on GPUs."
+                "a data-parallel strategy over processes (ddp, zero1, zero2, zero3, hsdp, "
+                "hybrid), whose workers then normalise over the whole global batch."
             )
         if config.cpu_offload and not cls.offloads(config):
             raise ConfigError(

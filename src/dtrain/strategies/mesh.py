@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -25,10 +26,14 @@ from dtrain.checkpoint.format import expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
 from dtrain.observe.logs import LOGGER
+from dtrain.parallel.broadcast import broadcast_model
+from dtrain.parallel.compile import unwrap_compiled
 from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import Degrees
+from dtrain.parallel.hooks import gradient_hooks
 from dtrain.parallel.parallelize import Parallelized, microbatches, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
+from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.rebuild import group_names, repoint
@@ -40,6 +45,7 @@ class MeshStrategy(Strategy):
     data-parallel ranks synchronise (`reshard_after_forward`, None for replicas)."""
 
     multiprocess = True
+    supports_sync_batchnorm = True
     reshard_after_forward: ClassVar[bool | None] = None
     """None: data-parallel ranks hold replicas (ddp); True/False: they shard with FSDP2,
     freeing gathered parameters after forward (zero3) or keeping them (zero2)."""
@@ -51,6 +57,12 @@ class MeshStrategy(Strategy):
         self.parts: Parallelized | None = None
         self._whole: dict[str, torch.Size] = {}
         self._model_class = ""
+        self._unused_watch: list[tuple[str, nn.Parameter]] = []
+        """DDP without find_unused_parameters: the trainable parameters, checked for a
+        gradient after each synchronising backward."""
+        self._syncing = True
+        self._context = contextlib.ExitStack()
+        """Process-wide switches held while this strategy trains (released at close)."""
         # Checkpoint parts travel to rank 0 through host memory, never a GPU buffer.
         self._host_group = (
             dist.new_group(backend="gloo")
@@ -149,6 +161,10 @@ class MeshStrategy(Strategy):
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
+        """Start every rank from rank 0's model, then parallelise it (see
+        `dtrain.parallel.parallelize`); a model passed in compiled is unwrapped first and
+        compiled block by block after tensor parallelism."""
+        model, compiled = unwrap_compiled(model)
         if self.shard is not None and not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
                 f"Strategy {self.name} shards parameters, but the model has none to train; "
@@ -157,9 +173,37 @@ class MeshStrategy(Strategy):
         names = group_names(optimizer, model) if optimizer is not None else []
         self._whole = expected_shapes(model)
         self._model_class = type(model).__name__
+        hooks = gradient_hooks(model)
+        d = self.degrees
+        if self.shard is not None or (d.dp_enabled and (d.pp_enabled or d.tp_enabled)):
+            hooks.refuse(
+                self.name,
+                "its data-parallel ranks reduce each gradient into a shard or replica outside "
+                "autograd, where tensor hooks do not run",
+            )
+        broadcast_model(model, None, self.topology.device)
         model = self.prepare(model)
-        self.parts = parallelize(model, self.mesh, self.config, self.topology.device, self.shard)
+        self.parts = parallelize(
+            model,
+            self.mesh,
+            self.config,
+            self.topology.device,
+            self.shard,
+            compile=self.config.compile or compiled,
+        )
         self.model = self.parts.model
+        hooks.register(self.parts.local)
+        if d.tp_enabled and not d.dp_enabled:
+            # Layers the plan does not split keep plain tensors beside the DTensors; a
+            # script's own torch.nn.utils.clip_grad_norm_ (or any op) over both would be
+            # refused by DTensor. Those tensors are the same on every tensor-parallel rank,
+            # which is what implicit replication assumes.
+            self._context.enter_context(implicit_replication())
+        find_unused = self.config.find_unused_parameters
+        if isinstance(self.model, DistributedDataParallel) and not find_unused:
+            self._unused_watch = [
+                (n, p) for n, p in self.parts.local.named_parameters() if p.requires_grad
+            ]
         if self.pipeline is not None:
             for s, stage in sorted(self.pipeline.modules.items()):
                 LOGGER.info("pipeline stage %d: %s", s, ", ".join(stage.layer_names))
@@ -173,8 +217,11 @@ class MeshStrategy(Strategy):
         return self.model, repoint(optimizer, mine, local)
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Changes a preset makes to the model before it is parallelised (none here)."""
-        return model
+        """Changes made to the model before it is parallelised: with --sync-batchnorm, its
+        BatchNorm layers normalise over the data-parallel ranks' whole batch."""
+        if not self.config.sync_batchnorm or not self.degrees.dp_enabled:
+            return model
+        return convert_sync_batchnorm(model, self.mesh.dp_group, self.topology.device)
 
     @property
     def model_class(self) -> str:
@@ -210,14 +257,35 @@ class MeshStrategy(Strategy):
                 "engine.train_step(batch, loss_fn) instead of engine.backward(loss)."
             )
         loss.backward()
+        if self._unused_watch and self._syncing:
+            self._check_all_used()
+
+    def _check_all_used(self) -> None:
+        """DDP reduces a bucket once all its parameters have their gradient: one without
+        (not used for this loss) leaves its bucket unreduced, the step wrong, and the next
+        forward failing. Refuse before the optimizer applies such a step."""
+        unused = [n for n, p in self._unused_watch if p.grad is None]
+        if unused:
+            raise SetupError(
+                f"Parameter(s) {', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''} "
+                f"got no gradient from this backward (they took no part in the loss), which "
+                f"strategy {self.name} cannot average without being told. Pass "
+                "--find-unused-parameters (dtrain.init(find_unused_parameters=True)) when some "
+                "parameters are skipped always or sometimes, or freeze the ones never used "
+                "(p.requires_grad_(False)) before engine.setup."
+            )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the last micro-batch synchronises over dp."""
         model = self.model
         if isinstance(model, DistributedDataParallel):
-            with model.no_sync():
-                yield
+            self._syncing = False
+            try:
+                with model.no_sync():
+                    yield
+            finally:
+                self._syncing = True
             return
         sync = getattr(model, "set_requires_gradient_sync", None)
         if sync is None:
@@ -302,6 +370,7 @@ class MeshStrategy(Strategy):
         )
 
     def close(self) -> None:
+        self._context.close()
         # A DDP or FSDP object alive when the process group is destroyed can abort the
         # process on gloo.
         self.parts = None

@@ -1,0 +1,57 @@
+"""Start every rank from one model: rank 0's parameters and buffers, sent to all.
+
+Scripts build their model on every rank, and not always alike: nanoGPT seeds each rank
+with ``1337 + rank`` before building it, a Hugging Face model may draw its initial values
+from an unseeded generator. DDP broadcasts rank 0's state when it wraps a model; sharded,
+split and tensor-parallel layouts do not, so each rank would keep its own initial values
+and training would start from a mix of models. `broadcast_model` runs once at setup,
+before anything is sharded or split, so that every layout starts from the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BUCKET_BYTES = 32 * 2**20
+"""Tensors are sent in flat buckets of about this size (one collective per bucket)."""
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by dtype into lists of at most about BUCKET_BYTES each."""
+    by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for t in tensors:
+        lists = by_dtype.setdefault(t.dtype, [[]])
+        if lists[-1] and sum(x.nbytes for x in lists[-1]) + t.nbytes > BUCKET_BYTES:
+            lists.append([])
+        lists[-1].append(t)
+    return [bucket for lists in by_dtype.values() for bucket in lists]
+
+
+@torch.no_grad()
+def broadcast_model(
+    model: nn.Module, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Overwrite `model`'s parameters and buffers with those of `group`'s first rank.
+
+    Every rank of `group` calls it with a model of the same structure. Tensors on the
+    meta device (not materialised yet) are skipped; tied parameters are sent once. The
+    bytes travel through `device` (the backend's device: NCCL cannot send host memory),
+    one bucket at a time, so at most one bucket is held there beyond the model.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    seen: set[int] = set()
+    tensors: list[torch.Tensor] = []
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen or t.is_meta:
+            continue
+        seen.add(id(t))
+        tensors.append(t)
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    for bucket in _buckets(tensors):
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in bucket])
+        dist.broadcast(flat, src=source, group=group)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+            t.copy_(part.view_as(t))
