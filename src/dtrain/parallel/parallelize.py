@@ -26,7 +26,7 @@ from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, a
 from dtrain.parallel.degrees import ParallelMesh
 from dtrain.parallel.hierarchical import host_groups
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
-from dtrain.parallel.split import Stage, layers_of, split_layers
+from dtrain.parallel.split import Stage, Tie, check_stages, layers_of, split_layers
 from dtrain.parallel.tensor_plan import apply_tp, plan_of
 from dtrain.strategies.blocks import find_blocks
 
@@ -64,11 +64,17 @@ def shard_options(config: Config, reshard_after_forward: bool, pp_enabled: bool)
     )
 
 
-def split_stages(model: nn.Module, pp: int, pp_rank: int, config: Config) -> dict[int, Stage]:
-    """This rank's stages: s = pp_rank, pp_rank + P, ... of P x V balanced stages."""
+def split_stages(
+    model: nn.Module, pp: int, pp_rank: int, config: Config
+) -> tuple[dict[int, Stage], list[Tie]]:
+    """This rank's stages: s = pp_rank, pp_rank + P, ... of P x V balanced stages, checked
+    (every tensor in one stage under its name in the model); and the weights tied across
+    stages."""
     count = pp * virtual_stages(config)
     groups = split_layers(layers_of(model), count, config.split_points)
-    return {s: Stage(groups[s]) for s in range(pp_rank, count, pp)}
+    stages = [Stage(group, model) for group in groups]
+    ties = check_stages(model, stages, pp)
+    return {s: stages[s] for s in range(pp_rank, count, pp)}, ties
 
 
 def parallelize(
@@ -86,7 +92,9 @@ def parallelize(
     d = mesh.degrees
     plan = plan_of(model, d.tp) if d.tp_enabled else None
     # 1. pp: split where the model was built.
-    stages = split_stages(model, d.pp, mesh.local_rank("pp"), config) if d.pp_enabled else {}
+    stages, ties = (
+        split_stages(model, d.pp, mesh.local_rank("pp"), config) if d.pp_enabled else ({}, [])
+    )
     units: list[nn.Module] = list(stages.values()) or [model]
     # 2. device, 3. tp.
     for unit in units:
@@ -94,7 +102,9 @@ def parallelize(
         if plan is not None:
             apply_tp(unit, mesh["tp"], plan)
     local = (
-        Stage([layer for s in sorted(stages) for layer in stages[s].layers]) if stages else model
+        Stage([layer for s in sorted(stages) for layer in stages[s].layers], model)
+        if stages
+        else model
     )
     # 4. dp.
     wrapped: nn.Module = model
@@ -115,14 +125,16 @@ def parallelize(
         microbatches(config, d.pp),
         mesh.group("pp"),
         device,
+        ties,
     )
     return Parallelized(PipelineModel(local, pipeline), local, pipeline)
 
 
 def _blocks(units: list[nn.Module], config: Config) -> list[list[nn.Module]]:
-    """Each unit's blocks: a stage's layers, or the repeated blocks of a whole model."""
+    """Each unit's blocks: the modules a stage holds (its layers, or the modules its wrapper
+    layers use), or the repeated blocks of a whole model."""
     return [
-        [unit.get_submodule(n) for n in unit.layer_names]
+        [unit.get_submodule(path) for path in unit.paths]
         if isinstance(unit, Stage)
         else find_blocks(unit, config.blocks)
         for unit in units

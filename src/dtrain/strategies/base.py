@@ -194,6 +194,11 @@ class Strategy:
         assert self.model is not None
         return self.model
 
+    def user_model(self) -> nn.Module:
+        """The user's model object (what `engine.module` returns): the module given to
+        `setup`, its methods (``get_num_params()``, ...) callable."""
+        return self.unwrap()
+
     def refresh(self) -> None:
         """Bring this process's parameters up to date before they are read (evaluation,
         checkpoints); a collective where the strategy needs one. Default: nothing to do."""
