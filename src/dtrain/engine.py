@@ -139,9 +139,10 @@ class Engine:
 
     @property
     def module(self) -> nn.Module:
-        """The user's unwrapped model (canonical parameter names)."""
+        """The user's model object, unwrapped (canonical parameter names, its own methods
+        callable); under a pipeline only this rank's layers in it are trained."""
         self._require_setup("engine.module")
-        return self.strategy.unwrap()
+        return self.strategy.user_model()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on the main rank only."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from dtrain.parallel.blocks import find_blocks, self_contained
+
 
 def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
     """(the module inside a ``torch.compile`` wrapper, True), or (`model`, False)."""
@@ -28,3 +30,9 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
     it has no blocks; parameter names and objects are unchanged."""
     for block in blocks or [model]:
         block.compile()
+
+
+def compile_model(model: nn.Module, class_names: list[str] | None = None) -> None:
+    """Compile `model`'s blocks in place (found as `dtrain.parallel.blocks` finds them,
+    `class_names` being ``--blocks``), for layouts that do not parallelise it."""
+    compile_blocks(model, self_contained(model, find_blocks(model, class_names)))

@@ -23,14 +23,14 @@ import torch
 from torch import nn
 
 from dtrain.config import Config
+from dtrain.parallel.blocks import find_blocks, self_contained
 from dtrain.parallel.compile import compile_blocks
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import ParallelMesh
 from dtrain.parallel.hierarchical import host_groups
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
-from dtrain.parallel.split import Stage, layers_of, split_layers
+from dtrain.parallel.split import Stage, Tie, check_stages, layers_of, split_layers
 from dtrain.parallel.tensor_plan import apply_tp, plan_of
-from dtrain.strategies.blocks import find_blocks
 
 
 @dataclass
@@ -66,11 +66,17 @@ def shard_options(config: Config, reshard_after_forward: bool, pp_enabled: bool)
     )
 
 
-def split_stages(model: nn.Module, pp: int, pp_rank: int, config: Config) -> dict[int, Stage]:
-    """This rank's stages: s = pp_rank, pp_rank + P, ... of P x V balanced stages."""
+def split_stages(
+    model: nn.Module, pp: int, pp_rank: int, config: Config
+) -> tuple[dict[int, Stage], list[Tie]]:
+    """This rank's stages: s = pp_rank, pp_rank + P, ... of P x V balanced stages, checked
+    (every tensor in one stage under its name in the model); and the weights tied across
+    stages."""
     count = pp * virtual_stages(config)
     groups = split_layers(layers_of(model), count, config.split_points)
-    return {s: Stage(groups[s]) for s in range(pp_rank, count, pp)}
+    stages = [Stage(group, model) for group in groups]
+    ties = check_stages(model, stages, pp)
+    return {s: stages[s] for s in range(pp_rank, count, pp)}, ties
 
 
 def parallelize(
@@ -90,7 +96,9 @@ def parallelize(
     d = mesh.degrees
     plan = plan_of(model, d.tp) if d.tp_enabled else None
     # 1. pp: split where the model was built.
-    stages = split_stages(model, d.pp, mesh.local_rank("pp"), config) if d.pp_enabled else {}
+    stages, ties = (
+        split_stages(model, d.pp, mesh.local_rank("pp"), config) if d.pp_enabled else ({}, [])
+    )
     units: list[nn.Module] = list(stages.values()) or [model]
     # 2. device, 3. tp.
     for unit in units:
@@ -98,7 +106,9 @@ def parallelize(
         if plan is not None:
             apply_tp(unit, mesh["tp"], plan)
     local = (
-        Stage([layer for s in sorted(stages) for layer in stages[s].layers]) if stages else model
+        Stage([layer for s in sorted(stages) for layer in stages[s].layers], model)
+        if stages
+        else model
     )
     blocks = _blocks(units, config)
     if compile:
@@ -125,39 +135,23 @@ def parallelize(
         microbatches(config, d.pp),
         mesh.group("pp"),
         device,
+        ties,
     )
     return Parallelized(PipelineModel(local, pipeline), local, pipeline)
 
 
 def _blocks(units: list[nn.Module], config: Config) -> list[list[nn.Module]]:
-    """Each unit's blocks: a stage's layers, or the repeated blocks of a whole model; a
-    block that shares a parameter with modules outside it (tied weights) is left to its
-    unit, which then holds the shared parameter once."""
+    """Each unit's blocks: the modules a stage holds (its layers, or the modules its wrapper
+    layers use), or the repeated blocks of a whole model; a block that shares a parameter
+    with modules outside it (tied weights) is left to its unit, which then holds the shared
+    parameter once."""
     return [
         self_contained(
             unit,
-            [unit.get_submodule(n) for n in unit.layer_names]
+            [unit.get_submodule(path) for path in unit.paths]
             if isinstance(unit, Stage)
             else find_blocks(unit, config.blocks),
         )
         for unit in units
     ]
 
-
-def self_contained(unit: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """The `blocks` of `unit` none of whose parameters is also held outside the block
-    (``head.weight = embedding.weight`` ties a head to an embedding): FSDP2 and compiled
-    blocks need each parameter to belong to one of them."""
-    holders: dict[int, set[str]] = {}
-    for name, param in unit.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(param), set()).add(name)
-    prefix = {id(m): name for name, m in unit.named_modules(remove_duplicate=False)}
-    kept = []
-    for block in blocks:
-        start = prefix[id(block)] + "."
-        if all(
-            all(n.startswith(start) for n in holders[id(p)])
-            for _, p in block.named_parameters(remove_duplicate=False)
-        ):
-            kept.append(block)
-    return kept

@@ -5,12 +5,16 @@ bubble is (P-1)/(M+P-1) of the step and all M micro-batches' activations are ali
 once. 1F1B (PipeDream-Flush, Narayanan et al. 2021) has the same bubble but alternates
 forward and backward once the pipe is full, so a stage holds at most P micro-batches of
 activations. Interleaved 1F1B gives each rank V stages and cuts the bubble by V.
+
+A weight tied across stages (an embedding and the output head) is kept as Megatron-LM
+keeps it: a copy on each stage that uses it, the copies' gradients summed once a step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,9 +26,11 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import DTensor
 
 from dtrain.errors import ConfigError, SetupError
 from dtrain.parallel.relay import relay_forward
+from dtrain.parallel.split import Tie
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -45,6 +51,24 @@ def check_schedule(schedule: str, microbatches: int, pp: int) -> None:
                 f"{rounds} equal rounds (max(1, M // --pp {pp})), which they do not divide "
                 f"into; use a multiple of {pp}."
             )
+
+
+@contextlib.contextmanager
+def untouched(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Inside the block `module` may run: afterwards its buffers (running statistics,
+    counters) hold their values from before and the random number generators their
+    states. Plain Python attributes changed by a forward are not restored."""
+    saved = [
+        (owner, name, buffer, buffer.detach().clone())
+        for owner in module.modules()
+        for name, buffer in owner.named_buffers(recurse=False)
+    ]
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        yield
+    with torch.no_grad():
+        for owner, name, buffer, value in saved:
+            buffer.copy_(value)
+            setattr(owner, name, buffer)  # a forward may have put another tensor there
 
 
 class TimedStage(PipelineStage):
@@ -70,6 +94,13 @@ class TimedStage(PipelineStage):
         self.seconds += time.perf_counter() - began
         return result
 
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # torch learns the activation shapes at the first step by a training-mode forward
+        # of the first micro-batch (of uninitialised tensors past the first stage): one
+        # the unsplit model never runs, so it must leave no trace in buffers or RNG draws.
+        with untouched(self.submod, self.device):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
 
@@ -92,6 +123,100 @@ class TimedStage(PipelineStage):
         return seconds
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class TiedWeights:
+    """Parameters several stages hold (a tied embedding and output head), kept as one.
+
+    Each stage that uses one holds a copy; the copies start from the first holding stage's
+    value, and once a step their gradients are summed over the pipeline ranks, so every
+    copy takes the update the single parameter of the unsplit model takes. Ranks that
+    hold no copy add zeros (one all-reduce over the pipeline group per tie). A copy given
+    no gradient in a step gets the others' sum.
+    """
+
+    def __init__(
+        self,
+        ties: list[Tie],
+        stages: dict[int, nn.Module],
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.group = group
+        self.device = device
+        self._stages = stages
+        size = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        self._names = [next((n for s, n in tie.names.items() if s in stages), None) for tie in ties]
+        self._counts = [min(tie.names) % size == me for tie in ties]
+        mine = [self._layout(name) for name in self._names]
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, mine, group=group)
+        self._layouts = []
+        for i, tie in enumerate(ties):
+            layouts = {layout[i] for layout in everyone if layout[i] is not None}
+            if len(layouts) > 1:
+                raise SetupError(
+                    f"The tied parameter {' = '.join(tie.names.values())} is laid out "
+                    f"differently on the stages holding it ({sorted(map(str, layouts))}); "
+                    "shard both uses alike (one tensor-parallel style), or untie them."
+                )
+            self._layouts.append(layouts.pop())
+        with torch.no_grad():
+            for i, param in enumerate(self._params()):
+                first = _local(param) if param is not None and self._counts[i] else None
+                total = self._sum(i, first)
+                if param is not None:
+                    _local(param).copy_(total)
+
+    def _param(self, name: str | None) -> nn.Parameter | None:
+        for module in self._stages.values() if name is not None else ():
+            with contextlib.suppress(AttributeError):
+                return module.get_parameter(name)
+        return None
+
+    def _params(self) -> list[nn.Parameter | None]:
+        # Looked up each time: data parallelism may put other parameter objects in place.
+        return [self._param(name) for name in self._names]
+
+    def _layout(self, name: str | None) -> tuple[tuple[int, ...], torch.dtype, str] | None:
+        param = self._param(name)
+        if param is None:
+            return None
+        placements = str(param.placements) if isinstance(param, DTensor) else ""
+        return tuple(_local(param).shape), param.dtype, placements
+
+    def _sum(self, i: int, tensor: torch.Tensor | None) -> torch.Tensor:
+        """The sum over the pipeline ranks of `tensor` (zeros where None) for tie `i`."""
+        shape, dtype, _ = self._layouts[i]
+        total = torch.zeros(shape, dtype=dtype, device=self.device)
+        if tensor is not None:
+            total.copy_(tensor)
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        """Give every copy the sum of the copies' gradients (once a step, after the last
+        micro-batch's backward and the data-parallel reduction, before clipping)."""
+        for i, param in enumerate(self._params()):
+            grad = None if param is None or param.grad is None else _local(param.grad)
+            total = self._sum(i, grad)
+            if param is None:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            _local(param.grad).copy_(total)
+
+    def copies(self) -> list[nn.Parameter]:
+        """This rank's copies whose gradient another rank counts in the norm for clipping
+        (a tied parameter counts once, as in the unsplit model)."""
+        pairs = zip(self._params(), self._counts, strict=True)
+        return [p for p, counts in pairs if p is not None and not counts]
+
+
 class Pipeline:
     """This rank's stages of a P-rank pipeline and the schedule that drives them."""
 
@@ -103,6 +228,7 @@ class Pipeline:
         microbatches: int,
         group: dist.ProcessGroup,
         device: torch.device,
+        ties: list[Tie] | None = None,
     ) -> None:
         self.modules = stages
         self.num_stages = num_stages
@@ -120,6 +246,9 @@ class Pipeline:
         self.compute_seconds = {index: 0.0 for index in stages}
         """Each of this rank's stages' compute time, summed over the steps."""
         self.steps = 0
+        self.tied = TiedWeights(ties or [], stages, group, device)
+        """The weights tied across stages, their copies' gradients summed each step."""
+        self._accumulating = False
         # Each micro-batch's loss is divided by M here (not by the schedule afterwards) so
         # gradients accumulated over several steps are never rescaled.
         options = {"loss_fn": self._scaled_loss, "scale_grads": False}
@@ -156,6 +285,8 @@ class Pipeline:
         # return_outputs=False: the last stage frees each micro-batch's output after its
         # backward instead of keeping all M for a merged result nobody reads.
         self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        if not self._accumulating:
+            self.tied.sum_gradients()
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         if self.has_last:
             total += sum(loss.detach().double() for loss in losses)
@@ -164,6 +295,16 @@ class Pipeline:
             self.compute_seconds[stage.stage_index] += stage.take_seconds()
         self.steps += 1
         return total
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Steps inside the block accumulate gradients for a later one: tied weights'
+        gradients are summed once, over the accumulated gradient, by the step after it."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def settle_timers(self) -> None:
         """Count every recorded micro-batch's compute time (waits for the device once)."""

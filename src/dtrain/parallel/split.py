@@ -9,10 +9,13 @@ names in the model, so checkpoints keep their canonical names). The bundled GPT 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from dtrain.checkpoint.optimizer_state import parameter_names
 from dtrain.errors import ConfigError
 
 Layer = tuple[str, nn.Module]
@@ -104,32 +107,171 @@ def split_layers(
     return [chain[a:b] for a, b in zip(starts, ends, strict=True)]
 
 
+def placements(model: nn.Module, layers: list[Layer]) -> list[Layer]:
+    """(path in `model`, module) of each module a stage running `layers` holds: a layer
+    under its listed name where the model holds it there, and every other module of the
+    model the layers reach (a wrapper's submodules) under its first path in the model,
+    outermost first, so the stage's names are the model's whatever wrappers the layers
+    are."""
+    at = dict(model.named_modules(remove_duplicate=False))
+    reached = {id(m) for _, layer in layers for m in layer.modules()}
+    placed: list[Layer] = []
+    covered: set[int] = set()
+
+    def place(path: str, module: nn.Module) -> None:
+        placed.append((path, module))
+        covered.update(id(m) for m in module.modules())
+
+    for name, layer in layers:
+        if at.get(name) is layer:
+            place(name, layer)
+    for path, module in model.named_modules():  # parents before their children
+        if path and id(module) in reached and id(module) not in covered:
+            place(path, module)
+    return placed
+
+
 class Stage(nn.Module):
-    """Some layers of a chain, held under their names in the whole model, run in order.
+    """Some layers of a chain, run in order, holding the model's modules they use under
+    their paths in the whole model.
 
     Its ``state_dict`` therefore uses the canonical names: a stage holding ``blocks.3``
-    has parameters ``blocks.3.attn.q.weight``, as the unsplit model does.
+    has parameters ``blocks.3.attn.q.weight``, as the unsplit model does, and a stage
+    whose layer is a wrapper ``_Embed(model.wte, model.wpe)`` holds ``wte.weight`` and
+    ``wpe.weight``. Without `model`, the layers' names are taken as their paths.
     """
 
-    def __init__(self, layers: list[Layer]) -> None:
+    def __init__(self, layers: list[Layer], model: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_names = [name for name, _ in layers]
-        for name, layer in layers:
+        # A plain list: wrappers run the forward but are not part of the stage's names.
+        self._chain = [layer for _, layer in layers]
+        self.paths: list[str] = []
+        """Where the stage holds the model's modules (its blocks for data parallelism)."""
+        for path, module in placements(model, layers) if model is not None else layers:
+            self.paths.append(path)
             parent: nn.Module = self
-            *path, leaf = name.split(".")
-            for part in path:
+            *steps, leaf = path.split(".")
+            for part in steps:
                 if not hasattr(parent, part):
                     parent.add_module(part, nn.Module())
                 parent = getattr(parent, part)
-            parent.add_module(leaf, layer)
+            parent.add_module(leaf, module)
+        first = parameter_names(model) if model is not None else {}
+        self.model_names = {
+            name: first[id(p)]
+            for name, p in self.named_parameters()
+            if first.get(id(p), name) != name
+        }
+        """Stage name -> model name of the parameters the model names otherwise (the
+        second name of a tied weight: ``lm_head.weight`` for ``wte.weight``)."""
 
     @property
     def layers(self) -> list[Layer]:
         """(name, module) of each layer, in forward order."""
-        return [(name, self.get_submodule(name)) for name in self.layer_names]
+        return list(zip(self.layer_names, self._chain, strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layers in order."""
-        for name in self.layer_names:
-            x = self.get_submodule(name)(x)
+        for layer in self._chain:
+            x = layer(x)
         return x
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A trainable parameter held by several stages, each under its own name in the model
+    (a tied embedding and output head)."""
+
+    names: dict[int, str]
+    """Stage index -> the name that stage holds it by."""
+
+
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` under each of its names."""
+    return {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
+
+
+def _layers_holding(stage: Stage, tensor: torch.Tensor) -> str:
+    held = [n for n, layer in stage.layers if any(t is tensor for t in _tensors(layer).values())]
+    return ", ".join(f"'{n}'" for n in held)
+
+
+def check_stages(model: nn.Module, stages: list[Stage], ranks: int) -> list[Tie]:
+    """Refuse a split where a tensor of `model` is left out, held by a layer outside the
+    model's modules, or held under one name by two stages (a wrapper holding more than
+    its forward uses); return the parameters tied across stages (one name per stage, on
+    different of the `ranks` pipeline ranks: stage s runs on rank s mod `ranks`)."""
+    kind = type(model).__name__
+    holders: dict[str, list[int]] = {}
+    held: dict[int, dict[int, str]] = {}  # id(tensor) -> stage -> name
+    for s, stage in enumerate(stages):
+        ids = {id(t) for t in _tensors(stage).values()}
+        for name, layer in stage.layers:
+            outside = [n for n, t in _tensors(layer).items() if id(t) not in ids]
+            if outside:
+                raise ConfigError(
+                    f"Layer '{name}' of {kind}.pipeline_layers() holds {', '.join(outside[:5])} "
+                    "directly rather than through a submodule of the model, so a pipeline "
+                    "stage cannot keep it under its name in the model; give the layer the "
+                    "model's submodules that own these tensors."
+                )
+        for name, tensor in _tensors(stage).items():
+            holders.setdefault(name, []).append(s)
+            held.setdefault(id(tensor), {}).setdefault(s, name)
+    for name, where in holders.items():
+        if len(where) > 1:
+            tensor = _tensors(stages[where[0]])[name]
+            layers = " and ".join(
+                f"{_layers_holding(stages[s], tensor)} (stage {s})" for s in where
+            )
+            raise ConfigError(
+                f"Pipeline layers {layers} of {kind} all hold {name}, but each parameter "
+                "and buffer belongs to one stage; give each wrapper layer only the "
+                "submodules its forward uses (the embeddings, say, not the whole "
+                "transformer that also holds the blocks)."
+            )
+    missing = [n for n, t in _tensors(model).items() if id(t) not in held]
+    if missing:
+        raise ConfigError(
+            f"pipeline_layers() of {kind} leaves out {', '.join(missing[:5])}; every "
+            "parameter and buffer must belong to one listed layer."
+        )
+    params = {id(p): p for p in model.parameters()}
+    ties = [
+        Tie(names)
+        for key, names in held.items()
+        if len(names) > 1 and key in params and params[key].requires_grad
+    ]
+    for tie in ties:
+        if len({s % ranks for s in tie.names}) < len(tie.names):
+            raise ConfigError(
+                f"{' and '.join(tie.names.values())} are one tied parameter held by stages "
+                f"{', '.join(map(str, tie.names))}, which run on the same pipeline rank; "
+                "dtrain sums a tied weight's gradient across ranks only. Use another "
+                "--virtual-stages or --split-points, or untie the weights."
+            )
+    return ties
+
+
+def held_names(module: nn.Module, groups: list[list[str]]) -> list[list[str]]:
+    """Of each group of the model's parameter names, those `module` holds, under the names
+    it holds them by (a stage may hold a tied weight under its second name)."""
+    held = {n: n for n, _ in module.named_parameters()}
+    if isinstance(module, Stage):
+        held |= {model_name: n for n, model_name in module.model_names.items()}
+    return [[held[n] for n in group if n in held] for group in groups]
+
+
+def rename_state(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """A name-keyed optimizer state with the names in `names` replaced by their values."""
+    return {
+        "state": {names.get(k, k): v for k, v in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names.get(n, n) for n in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }

@@ -42,7 +42,7 @@ def _fsdp(reshard: bool) -> Callable[[nn.Module, object], nn.Module]:
     def wrap(model: nn.Module, mesh: object) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        from dtrain.strategies.blocks import find_blocks
+        from dtrain.parallel.blocks import find_blocks
 
         for block in find_blocks(model):
             if any(p.requires_grad for p in block.parameters()):

@@ -69,7 +69,7 @@ class ModelFigures:
 
 def weigh(work: Workload, model: nn.Module, device: torch.device, batch: int) -> ModelFigures:
     """Bytes, FLOPs, blocks and the per-layer figures of `model`."""
-    from dtrain.strategies.blocks import find_blocks
+    from dtrain.parallel.blocks import find_blocks
 
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in params)

@@ -24,6 +24,7 @@ from dtrain.errors import ConfigError
 from dtrain.names import unknown_strategy
 from dtrain.observe.breakdown import StepTimer
 from dtrain.parallel.clip import clip_grad_norm
+from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.topology import Topology, detect
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -180,9 +181,13 @@ class Strategy:
         """Place and wrap `model`; return (module the loop calls, optimizer the loop steps).
 
         `optimizer` was built on ``model.parameters()``; a strategy may return another
-        optimizer (a sharded one, or one rebuilt on new parameters) in its place.
+        optimizer (a sharded one, or one rebuilt on new parameters) in its place. A model
+        passed in compiled is unwrapped and, as with --compile, compiled block by block.
         """
+        model, compiled = unwrap_compiled(model)
         self.model = model.to(self.topology.device)
+        if self.config.compile or compiled:
+            compile_model(self.model, self.config.blocks)
         return self.model, optimizer
 
     @property
@@ -194,6 +199,11 @@ class Strategy:
         """The user's module, whose state_dict has canonical parameter names."""
         assert self.model is not None
         return self.model
+
+    def user_model(self) -> nn.Module:
+        """The user's model object (what `engine.module` returns): the module given to
+        `setup`, its methods (``get_num_params()``, ...) callable."""
+        return self.unwrap()
 
     def refresh(self) -> None:
         """Bring this process's parameters up to date before they are read (evaluation,

@@ -27,12 +27,14 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
 from dtrain.observe.logs import LOGGER
 from dtrain.parallel.broadcast import broadcast_model
+from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import unwrap_compiled
 from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import Degrees
 from dtrain.parallel.hooks import gradient_hooks
 from dtrain.parallel.parallelize import Parallelized, microbatches, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
+from dtrain.parallel.split import Stage, held_names, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
@@ -56,6 +58,7 @@ class MeshStrategy(Strategy):
         self.mesh = self.degrees.mesh(topology.device.type)
         self.parts: Parallelized | None = None
         self._whole: dict[str, torch.Size] = {}
+        self._user: nn.Module | None = None
         self._model_class = ""
         self._unused_watch: list[tuple[str, nn.Parameter]] = []
         """DDP without find_unused_parameters: the trainable parameters, checked for a
@@ -157,6 +160,21 @@ class MeshStrategy(Strategy):
         """Pipeline stages hold different layers: their gradient norms add up."""
         return (self.mesh.group("pp"),) if self.pipelined else ()
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """As every strategy does; a weight tied across pipeline stages counts once in the
+        norm (its copies hold the same summed gradient) and every copy is scaled."""
+        copies = self.pipeline.tied.copies() if self.pipeline is not None else []
+        if not copies:
+            return super().clip_grad_norm_(max_norm)
+        skip = {id(p) for p in copies}
+        counted = [p for p in self.unwrap().parameters() if id(p) not in skip]
+        norm = clip_grad_norm(counted, max_norm, self.grad_norm_groups)
+        with torch.no_grad():
+            for p in copies:
+                if p.grad is not None:
+                    p.grad.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0).to(p.grad.dtype))
+        return norm
+
     # -- setup ----------------------------------------------------------------------------
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
@@ -183,6 +201,7 @@ class MeshStrategy(Strategy):
             )
         broadcast_model(model, None, self.topology.device)
         model = self.prepare(model)
+        self._user = model
         self.parts = parallelize(
             model,
             self.mesh,
@@ -212,9 +231,7 @@ class MeshStrategy(Strategy):
         if self.shard is None and not self.degrees.pp_enabled and not self.degrees.tp_enabled:
             return self.model, optimizer  # the same parameter objects: nothing to rebuild
         local = self.parts.local
-        here = {n for n, _ in local.named_parameters()}
-        mine = [[n for n in group if n in here] for group in names]
-        return self.model, repoint(optimizer, mine, local)
+        return self.model, repoint(optimizer, held_names(local, names), local)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Changes made to the model before it is parallelised: with --sync-batchnorm, its
@@ -277,7 +294,12 @@ class MeshStrategy(Strategy):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the last micro-batch synchronises over dp."""
+        """Accumulate gradients locally; the last micro-batch synchronises over dp (and
+        sums the gradients of weights tied across pipeline stages)."""
+        if self.pipeline is not None:
+            with self.pipeline.accumulating():
+                yield
+            return
         model = self.model
         if isinstance(model, DistributedDataParallel):
             self._syncing = False
@@ -300,6 +322,12 @@ class MeshStrategy(Strategy):
     def unwrap(self) -> nn.Module:
         assert self.parts is not None
         return self.parts.local
+
+    def user_model(self) -> nn.Module:
+        """The model given to `setup`. Under a pipeline it holds this rank's layers, being
+        trained; the layers of other ranks' stages keep their initial values."""
+        assert self._user is not None
+        return self._user
 
     def eval_module(self) -> nn.Module:
         assert self.model is not None
@@ -345,6 +373,8 @@ class MeshStrategy(Strategy):
         part = whole_state(local, optimizer, keep=first)
         if not self.degrees.pp_enabled:
             return part if main else (None, None)
+        if part[1] is not None and isinstance(local, Stage):  # a tied weight's model name
+            part = part[0], rename_state(part[1], local.model_names)
         senders = [m.rank_at(pp=p) for p in range(1, self.degrees.pp)]
         if first and not main:
             dist.send_object_list([part], dst=0, group=self._host_group)
@@ -365,8 +395,12 @@ class MeshStrategy(Strategy):
         strict: bool,
     ) -> list[str]:
         whole = self._whole if self.degrees.pp_enabled else None
+        local = self.unwrap()
+        if optimizer_state is not None and isinstance(local, Stage):
+            inverse = {model_name: n for n, model_name in local.model_names.items()}
+            optimizer_state = rename_state(optimizer_state, inverse)
         return load_full_state(
-            self.unwrap(), tensors, optimizer, optimizer_state, strict, whole_model=whole
+            local, tensors, optimizer, optimizer_state, strict, whole_model=whole
         )
 
     def close(self) -> None:
@@ -389,7 +423,8 @@ def _merge(
     groups = [dict(group, params=[]) for group in states[0]["param_groups"]]
     for state in states:
         for merged, group in zip(groups, state["param_groups"], strict=True):
-            merged["params"] += group["params"]
+            # A tied weight's state comes from each stage holding it: keep one.
+            merged["params"] += [n for n in group["params"] if n not in merged["params"]]
     return tensors, {
         "state": {k: v for s in states for k, v in s["state"].items()},
         "param_groups": groups,

@@ -22,6 +22,8 @@ from torch.optim import Optimizer
 from dtrain.batches import batch_size, split, to_device
 from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.parallel.hooks import gradient_hooks
 from dtrain.strategies.base import Strategy, register
 from dtrain.topology import Topology, use_gpus
 
@@ -86,6 +88,7 @@ class TowerReplicas(nn.Module):
         # A tower on the parameter device computes with the variables themselves, as
         # nn.DataParallel does with its first device; the others hold copies.
         master_used = False
+        hooks = gradient_hooks(self.module)  # copies lose them; each tower runs them
         replicas: list[nn.Module] = []
         for device in devices:
             if device == param_device and not master_used:
@@ -93,7 +96,13 @@ class TowerReplicas(nn.Module):
                 master_used = True
             else:
                 replicas.append(copy.deepcopy(self.module).to(device))
+                hooks.register(replicas[-1])
         self._replicas = replicas
+
+    @property
+    def replicas(self) -> list[nn.Module]:
+        """One module per tower (the first may be `module` itself)."""
+        return self._replicas
 
     def train(self, mode: bool = True) -> TowerReplicas:
         super().train(mode)
@@ -194,7 +203,11 @@ class Towers(Strategy):
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
+        model, compiled = unwrap_compiled(model)
         self.model = TowerReplicas(model, self.devices, self.param_device)
+        if self.config.compile or compiled:
+            for replica in self.model.replicas:
+                compile_model(replica, self.config.blocks)
         return self.model, optimizer
 
     def unwrap(self) -> nn.Module:

@@ -39,3 +39,22 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
     total = _num_params(model)
     children = [c for c in model.children() if _num_params(c) > 0]
     return [c for c in children if _num_params(c) * 2 * max(len(children), 1) >= total]
+
+
+def self_contained(unit: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The `blocks` of `unit` none of whose parameters is also held outside the block
+    (``head.weight = embedding.weight`` ties a head to an embedding): FSDP2 and compiled
+    blocks need each parameter to belong to one of them."""
+    holders: dict[int, set[str]] = {}
+    for name, param in unit.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), set()).add(name)
+    prefix = {id(m): name for name, m in unit.named_modules(remove_duplicate=False)}
+    kept = []
+    for block in blocks:
+        start = prefix[id(block)] + "."
+        if all(
+            all(n.startswith(start) for n in holders[id(p)])
+            for _, p in block.named_parameters(remove_duplicate=False)
+        ):
+            kept.append(block)
+    return kept
