@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 from torch.testing import assert_close
-from training import train, train_variants
+from training import CLOSE, train, train_variants
 
 
 @pytest.fixture(scope="module")
@@ -18,11 +18,11 @@ def reference() -> dict:
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_towers_match_single(reference: dict, towers: int, accumulation: int) -> None:
     params = train(strategy="towers", towers=towers, grad_accumulation=accumulation)
-    assert_close(params, reference)
+    assert_close(params, reference, **CLOSE)
 
 
 def test_single_with_accumulation_matches_single(reference: dict) -> None:
-    assert_close(train(strategy="single", grad_accumulation=2), reference)
+    assert_close(train(strategy="single", grad_accumulation=2), reference, **CLOSE)
 
 
 @pytest.mark.timeout(180)
@@ -30,8 +30,8 @@ def test_single_with_accumulation_matches_single(reference: dict) -> None:
 def test_ddp_matches_single(reference: dict, world_size: int) -> None:
     variants = [{"strategy": "ddp"}, {"strategy": "ddp", "grad_accumulation": 2}]
     plain, accumulated = run_ranks(train_variants, world_size, variants)[0]
-    assert_close(plain, reference)
-    assert_close(accumulated, reference)
+    assert_close(plain, reference, **CLOSE)
+    assert_close(accumulated, reference, **CLOSE)
 
 
 @pytest.fixture(scope="module")
@@ -51,4 +51,4 @@ def test_zero_stages_match_single(reference: dict, gpt_reference: dict, world_si
     results = run_ranks(train_variants, world_size, variants, timeout=280)[0]
     for stage, params in zip([*stages, *stages, "zero3+accumulation"], results, strict=True):
         expected = reference if len(params) == len(reference) else gpt_reference
-        assert_close(params, expected, msg=lambda m, s=stage: f"{s}: {m}")
+        assert_close(params, expected, **CLOSE, msg=lambda m, s=stage: f"{s}: {m}")

@@ -18,6 +18,12 @@ from dtrain.models.gpt import GPT, SIZES, lm_loss
 
 GLOBAL_BATCH = 12  # divides over 1, 2, 3 workers, 2 or 3 towers, 2 micro-batches
 
+CLOSE = {"rtol": 1e-4, "atol": 1e-4}
+"""How close float32 parameters after a few steps must be to `single`'s. Summing the
+gradients of 2 or 3 workers in another order moves a weight near zero by about 1e-5 after
+10 SGD steps on some CPUs (1.08e-5 was seen); a strategy that trains anything else moves
+the parameters by orders of magnitude more (a lost hook, a skipped layer: 1e-3 and up)."""
+
 OPTIMIZERS: dict[str, Any] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
     "adam": lambda p: torch.optim.Adam(p, lr=3e-3),

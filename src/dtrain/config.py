@@ -66,6 +66,11 @@ class Config:
         "torch.compile each repeated block after parallelising (a model passed in already "
         "compiled is unwrapped and compiled this way too).",
     )
+    compile_backend: str = option(
+        "inductor",
+        "The torch.compile backend of --compile (and of a model passed in compiled): "
+        "inductor, or another of torch._dynamo.list_backends() such as aot_eager.",
+    )
     hierarchical: bool = option(
         False,
         "ddp: average gradients inside each machine, then across machines (one leader per "

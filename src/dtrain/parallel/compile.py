@@ -12,8 +12,10 @@ is traced once and reused by blocks of the same class.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from dtrain.errors import ConfigError
 from dtrain.parallel.blocks import find_blocks, self_contained
 
 
@@ -25,14 +27,22 @@ def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
     return model, False
 
 
-def compile_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
-    """Compile each of `blocks` in place (`nn.Module.compile`), or the whole `model` when
-    it has no blocks; parameter names and objects are unchanged."""
+def compile_blocks(model: nn.Module, blocks: list[nn.Module], backend: str = "inductor") -> None:
+    """Compile each of `blocks` in place (`nn.Module.compile`) with `backend`, or the whole
+    `model` when it has no blocks; parameter names and objects are unchanged."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(
+            f"--compile-backend {backend!r} is not a torch.compile backend; use one of "
+            f"{', '.join(sorted(known))} (inductor is torch's default)."
+        )
     for block in blocks or [model]:
-        block.compile()
+        block.compile(backend=backend)
 
 
-def compile_model(model: nn.Module, class_names: list[str] | None = None) -> None:
+def compile_model(
+    model: nn.Module, class_names: list[str] | None = None, backend: str = "inductor"
+) -> None:
     """Compile `model`'s blocks in place (found as `dtrain.parallel.blocks` finds them,
     `class_names` being ``--blocks``), for layouts that do not parallelise it."""
-    compile_blocks(model, self_contained(model, find_blocks(model, class_names)))
+    compile_blocks(model, self_contained(model, find_blocks(model, class_names)), backend)

@@ -113,7 +113,7 @@ def parallelize(
     blocks = _blocks(units, config)
     if compile:
         for unit, inner in zip(units, blocks, strict=True):
-            compile_blocks(unit, inner)
+            compile_blocks(unit, inner, config.compile_backend)
     # 4. dp.
     wrapped: nn.Module = model
     if shard is not None:

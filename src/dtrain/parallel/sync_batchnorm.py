@@ -47,7 +47,7 @@ class GroupExchange:
 
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         table = row.new_empty((dist.get_world_size(self.group), row.shape[1]))
-        dist.all_gather_into_tensor(table, row.contiguous(), group=self.group)
+        dist.all_gather_single(table, row.contiguous(), group=self.group)
         return table
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:

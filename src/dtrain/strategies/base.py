@@ -187,7 +187,7 @@ class Strategy:
         model, compiled = unwrap_compiled(model)
         self.model = model.to(self.topology.device)
         if self.config.compile or compiled:
-            compile_model(self.model, self.config.blocks)
+            compile_model(self.model, self.config.blocks, self.config.compile_backend)
         return self.model, optimizer
 
     @property
