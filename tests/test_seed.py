@@ -1,6 +1,7 @@
-"""Seeding in `dtrain.init`: ``--seed S`` seeds every generator on every rank; without it a
-seed the script set alike on every rank is kept, and ranks that start apart are all given
-rank 0's seed, so the replicas and the data shuffle agree."""
+"""Seeding in `dtrain.init`: ``--seed S`` seeds every generator on every rank, and the data
+shuffle; without it a seed the script set alike on every rank is kept, ranks that start
+apart are all given rank 0's seed, so the replicas agree, and the data shuffle takes rank
+0's draw from torch's generator when the loader is made."""
 
 from __future__ import annotations
 
@@ -47,10 +48,18 @@ def draws() -> dict[str, object]:
     return {"torch": torch.rand(3), "python": random.random(), "numpy": float(np.random.rand())}
 
 
+def first_shuffle_seed(seed: int) -> int:
+    """The shuffle seed a loader made first after torch was seeded with `seed` draws."""
+    generator = torch.Generator().manual_seed(seed)
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
 def one_rank(own_seed: int | None, apart: bool = False, seed: int | None = None) -> dict:
     """Seed this rank's generators with `own_seed` (plus the rank when `apart`), start a
     ddp Engine (with `seed` if given), and return what the generators draw next, the run's
-    seed, the shuffle's seed and what the ``dtrain`` logger said."""
+    seed, the shuffle seed of a loader made then (after torch is seeded again as before
+    init: without `seed` the loader draws from it) and what the ``dtrain`` logger said."""
+    mine = None
     if own_seed is not None:
         mine = own_seed + int(os.environ["RANK"]) if apart else own_seed
         torch.manual_seed(mine)
@@ -64,9 +73,11 @@ def one_rank(own_seed: int | None, apart: bool = False, seed: int | None = None)
         engine = dtrain.init(strategy="ddp", seed=seed)
     finally:
         logger.removeHandler(collect)
+    result = {**draws(), "seed": engine.seed, "logs": collect.messages}
+    if mine is not None:
+        torch.manual_seed(mine)
     data = torch.utils.data.TensorDataset(torch.zeros(8, 1))
-    sampler = engine.dataloader(data, batch_size=2).batch_sampler
-    result = {**draws(), "seed": engine.seed, "shuffle": sampler.seed, "logs": collect.messages}
+    result["shuffle"] = engine.dataloader(data, batch_size=2).batch_sampler.seed
     engine.close()
     return result
 
@@ -97,7 +108,7 @@ def test_a_seed_set_before_init_is_kept_in_one_process() -> None:
     np.random.seed(123)
     engine = dtrain.init(strategy="single")
     assert_close(draws(), expected(123))
-    assert engine.seed == 123 and engine.config.seed == 123
+    assert engine.seed is None and engine.config.seed is None
     engine.close()
 
 
@@ -113,7 +124,7 @@ def test_a_seed_given_to_init_reseeds_one_process() -> None:
 def test_a_seed_set_alike_on_every_rank_is_kept() -> None:
     for got in run_ranks(seeded_alike, 2, timeout=80):
         assert_close(generators(got), expected(123))
-        assert (got["seed"], got["shuffle"], got["logs"]) == (123, 123, [])
+        assert (got["seed"], got["shuffle"], got["logs"]) == (None, first_shuffle_seed(123), [])
 
 
 @pytest.mark.timeout(90)
@@ -128,7 +139,8 @@ def test_ranks_seeded_apart_all_get_rank_0s_seed_and_are_told() -> None:
     first, second = run_ranks(seeded_apart, 2, timeout=80)
     for got in (first, second):
         assert_close(generators(got), expected(100))
-        assert (got["seed"], got["shuffle"]) == (100, 100)
+        assert got["seed"] is None
+    assert first["shuffle"] == second["shuffle"] == first_shuffle_seed(100)  # rank 0's
     assert len(first["logs"]) == 1 and "seeded with rank 0's (100)" in first["logs"][0]
     assert "--seed S" in first["logs"][0]
     assert second["logs"] == []  # rank 0 alone says it
@@ -139,7 +151,8 @@ def test_unseeded_ranks_start_equal() -> None:
     """Fresh processes each draw their own torch seed; init gives every rank rank 0's."""
     first, second = run_ranks(unseeded, 2, timeout=80)
     assert_close(generators(first), generators(second))
-    assert first["seed"] == second["seed"] == first["shuffle"] == second["shuffle"]
+    assert first["seed"] is second["seed"] is None
+    assert first["shuffle"] == second["shuffle"]
 
 
 def test_any_seed_torch_accepts_shuffles() -> None:

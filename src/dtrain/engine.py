@@ -38,6 +38,7 @@ from dtrain.observe.report import RunReport
 from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal
 from dtrain.position import Position
+from dtrain.rng import drawn_seed
 from dtrain.strategies import Strategy
 from dtrain.teardown import close_at_exit, forget
 from dtrain.topology import Topology
@@ -101,9 +102,11 @@ class Engine:
         return self.position.epoch
 
     @property
-    def seed(self) -> int:
-        """The run's seed, settled by `dtrain.init` (``--seed``, or the torch seed the ranks
-        agreed on); `dataloader` shuffles with it."""
+    def seed(self) -> int | None:
+        """The seed given to `dtrain.init` (``--seed S``, ``seed=S``), which seeded every
+        generator on every rank and which `dataloader` shuffles with; None without one
+        (`dataloader` then draws each shuffle's seed from torch's generator, as
+        ``DataLoader(shuffle=True)`` does)."""
         return self.config.seed
 
     @property
@@ -195,8 +198,13 @@ class Engine:
     def _count_step(self, *_: Any) -> None:
         self.position.step += 1
         self.position.samples_in_epoch += self.position.samples_per_step
-        if not self._stepping and self.position.step % self.config.log_every == 0:
-            self._read_loss()  # a hand-written loop: read after its step
+        if self._stepping:
+            return
+        # A hand-written loop: its step's samples are those its forwards computed.
+        samples = self.timing.take_forward_samples() * self.strategy.dp_size
+        self._step_samples = samples or self._step_samples
+        if self.position.step % self.config.log_every == 0:
+            self._read_loss()  # read after its step
 
     def _require_setup(self, what: str) -> None:
         if self.model is None:
@@ -223,19 +231,19 @@ class Engine:
                 `engine.dp_size`.
             global_batch_size: instead of `batch_size`, the samples of one step over all
                 workers (it must divide evenly over `engine.dp_size`).
-            shuffle: one shuffle per epoch, shared by all workers.
+            shuffle: one shuffle per epoch, shared by all workers, seeded by ``--seed``;
+                without one, by a seed drawn from torch's generator now (rank 0's draw: a
+                collective over the training processes), so that a script seeded before
+                this call shuffles alike in every run, as with ``DataLoader(shuffle=True)``.
             drop_last: drop the epoch's last incomplete global batch (keep True for
                 training; use False for evaluation).
             loader_kwargs: passed to `torch.utils.data.DataLoader` (num_workers, ...).
         """
+        seed = self.config.seed
+        if seed is None:
+            seed = drawn_seed(self.strategy.train_group) if shuffle else 0
         return self._feeder.loader(
-            dataset,
-            batch_size,
-            global_batch_size,
-            shuffle,
-            drop_last,
-            seed=self.config.seed,
-            **loader_kwargs,
+            dataset, batch_size, global_batch_size, shuffle, drop_last, seed=seed, **loader_kwargs
         )
 
     def progress(
@@ -376,10 +384,17 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and synchronise gradients as the strategy requires (for
-        loops written by hand; the loss is watched as in `train_step`)."""
+        loops written by hand; the loss is watched, and the step timed and its samples
+        counted, as in `train_step`: from the first call on, the forward of the model
+        `setup` returned starts a step's micro-batch, and this call ends its forward)."""
         self._require_setup("engine.backward")
         self._watch.record(loss, self.step + 1)
+        timer = self.timing.timer
+        timer.forward_done()
         self.strategy.backward(loss)
+        timer.end_micro()
+        assert self.model is not None
+        self.timing.watch_forwards(self.model)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Inside this block, backward accumulates gradients without synchronising."""

@@ -101,6 +101,7 @@ class Feeder:
         had already trained (whole epochs, then the batches of the epoch it stopped in).
         `waited` is told each wait for a batch (see `track`)."""
         sampler = loader.batch_sampler
+        sharded = isinstance(sampler, ShardedBatchSampler)
         self._warn_if_unsharded(loader)
         skip = 0
         where = self.position
@@ -108,13 +109,16 @@ class Feeder:
             resume_epoch, resume_samples = where.resume_at
             if epoch < resume_epoch:
                 return
-            if epoch == resume_epoch and isinstance(sampler, ShardedBatchSampler):
+            if sharded and sampler.shuffle and where.shuffle_seed is not None:
+                sampler.seed = where.shuffle_seed  # the checkpoint's order, skipped below
+            if epoch == resume_epoch and sharded:
                 skip = resume_samples // sampler.global_batch_size
             where.resume_at = None
         per_step = (loader.batch_size or 0) * self.dp_size
-        if isinstance(sampler, ShardedBatchSampler):
+        if sharded:
             sampler.set_epoch(epoch, skip=skip)
             per_step = sampler.global_batch_size
+            where.shuffle_seed = sampler.seed if sampler.shuffle else None
         where.epoch = epoch
         where.samples_in_epoch = skip * per_step
         where.samples_per_step = per_step

@@ -1,10 +1,13 @@
 """Seeding and RNG state of every generator a training loop may touch.
 
 The seeding rule of `dtrain.init` (:func:`settle_seed`): with a seed (``--seed S``,
-``dtrain.init(seed=S)``) every generator on every rank is seeded with it. Without one the
-generators a script seeded are left alone as long as every rank started from the same
-torch seed; ranks that started from different ones (nobody seeded them, and a fresh
-process draws its own) are all seeded with rank 0's, so the replicas start equal.
+``dtrain.init(seed=S)``) every generator on every rank is seeded with it, and the data
+shuffle takes it too. Without one the generators a script seeded are left alone as long as
+every rank started from the same torch seed; ranks that started from different ones
+(nobody seeded them, and a fresh process draws its own) are all seeded with rank 0's, so
+the replicas start equal. The data shuffle then takes its seed from torch's generator when
+the loader is made (:func:`drawn_seed`), as ``DataLoader(shuffle=True)`` does, so a script
+seeded anywhere before it (after `dtrain.init` too) shuffles alike in every run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from dtrain.collectives import gather_objects
 from dtrain.observe.logs import LOGGER
@@ -38,8 +42,8 @@ def initial_seeds(everyone: bool) -> list[int]:
     return [torch.initial_seed()]
 
 
-def settle_seed(seed: int | None, initial: list[int], is_main: bool) -> int:
-    """Seed the generators by the rule above; return the run's seed (the data shuffle's).
+def settle_seed(seed: int | None, initial: list[int], is_main: bool) -> None:
+    """Seed the generators by the rule above.
 
     Args:
         seed: the seed asked for, or None.
@@ -48,7 +52,7 @@ def settle_seed(seed: int | None, initial: list[int], is_main: bool) -> int:
     """
     if seed is not None:
         seed_everything(seed)
-        return seed
+        return
     if len(set(initial)) > 1:
         seed_everything(initial[0])
         if is_main:  # the log file, not the terminal: every unseeded job does this
@@ -58,7 +62,15 @@ def settle_seed(seed: int | None, initial: list[int], is_main: bool) -> int:
                 "dtrain.init(seed=S)) to choose the seed and repeat this run.",
                 initial[0],
             )
-    return initial[0]
+
+
+def drawn_seed(group: dist.ProcessGroup | None) -> int:
+    """A data shuffle's seed drawn from torch's generator now, as the sampler of
+    ``DataLoader(shuffle=True)`` draws one: rank 0's draw, on every rank of `group` (a
+    collective: ranks the script seeded apart draw apart, but must shuffle alike). Every
+    rank draws once, so generators that were alike stay alike."""
+    mine = int(torch.empty((), dtype=torch.int64).random_().item())
+    return gather_objects(mine, group)[0]
 
 
 def get_state() -> dict[str, Any]:

@@ -25,12 +25,14 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
     Picks the device and backend (``cuda:LOCAL_RANK`` and NCCL when GPUs are visible, the
     CPU and gloo otherwise), joins the process group when the strategy needs one, and
     settles the seed. With ``seed=S`` (``--seed S``) it seeds every RNG (Python, NumPy,
-    torch on the CPU and on every GPU) with S on every rank. Without a seed it leaves the
-    RNGs alone when every rank's ``torch.initial_seed()`` is the same (the script seeded
-    every rank alike, or there is one process), and otherwise seeds every rank with rank
-    0's (noted in the log), so the replicas start equal. ``engine.seed`` is the seed settled on;
-    ``engine.dataloader`` shuffles with it, alike on every rank. To compare two runs, give
-    both the same seed.
+    torch on the CPU and on every GPU) with S on every rank, and ``engine.dataloader``
+    shuffles with S. Without a seed it leaves the RNGs alone when every rank's
+    ``torch.initial_seed()`` is the same (the script seeded every rank alike, or there is
+    one process), and otherwise seeds every rank with rank 0's (noted in the log), so the
+    replicas start equal; ``engine.dataloader`` then draws its shuffle seed from torch's
+    generator when it is called, as ``DataLoader(shuffle=True)`` does (rank 0's draw, alike
+    on every rank), so a script that calls ``torch.manual_seed`` before making its loader,
+    before or after this call, shuffles alike in every run. ``engine.seed`` is S, or None.
     """
     config = Config.from_env() or _outside_dtrain_run()
     if strategy is not None:
@@ -56,8 +58,7 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
         )
     if strategy_cls.multiprocess:
         init_process_group(topology, config.timeout_s)
-    seed = settle_seed(config.seed, _training_seeds(strategy_cls, config), topology.is_main)
-    config = config.replace(seed=seed)
+    settle_seed(config.seed, _training_seeds(strategy_cls, config), topology.is_main)
     return Engine(config, topology, strategy_cls(config, topology))
 
 

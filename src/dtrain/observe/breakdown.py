@@ -14,8 +14,9 @@ A step is the time from one `train_step` to the next. It is cut into:
 
 Marks come from `dtrain.observe.clock` (CUDA events on a GPU), so nothing here makes the
 host wait for the device; marks are turned into seconds when the Engine reads the loss
-back anyway. A hand-written loop (its own backward and ``optimizer.step()``) gets data,
-optimizer and step; its forward and backward count as other.
+back anyway. A hand-written loop (its own forward, `engine.backward` and
+``optimizer.step()``) has steps from one optimizer step to the next, cut alike: its forward
+runs from the call of the model to `engine.backward` (see `RunTiming.watch_forwards`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ class StepTimer:
     def begin_step(self, number: int) -> None:
         """Step `number` (1-based) starts now; the step before it ends here."""
         self._open.append(_Step(number, self.clock.mark()))
+        self._micro = None  # a forward whose backward never came ends with its step
+
+    @property
+    def in_micro(self) -> bool:
+        """True between a micro-batch's begin and its end."""
+        return self._micro is not None
 
     def begin_micro(self) -> None:
         """A micro-batch's forward starts now."""
@@ -143,7 +150,12 @@ class StepTimer:
         """Turn every finished step's marks into seconds; with `final`, end the last step
         now too (at the end of the run)."""
         if final and self._open:
-            self.begin_step(-1)  # the end of the last step
+            last = self._open[-1]
+            if not (last.micros or last.optimizer):
+                # After a hand-written loop's last optimizer step: no step's work, no step.
+                self._open.pop()
+            if self._open:
+                self.begin_step(-1)  # the end of the last step
         if len(self._open) < 2:
             if final:
                 self._open.clear()

@@ -16,9 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from dtrain.batches import batch_size
 from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config, step_window
+from dtrain.errors import SetupError
 from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.clock import clock_for
 from dtrain.observe.diagnosis import diagnose, table
@@ -41,6 +44,8 @@ class RunTiming:
         self.timer = StepTimer(clock_for(device), trace_window=window)
         self.per_device_batch: int | None = None
         """Samples one device computes per micro-batch, once a step has run."""
+        self._forwards: RemovableHandle | None = None
+        self._forward_samples = 0
 
     def start(
         self,
@@ -72,6 +77,35 @@ class RunTiming:
 
         optimizer.register_step_pre_hook(before)
         optimizer.register_step_post_hook(after)
+
+    def watch_forwards(self, model: nn.Module) -> None:
+        """Time the forwards of a hand-written loop, once `engine.backward` shows there is
+        one: from now on each call of `model` (the module the loop calls) with gradients
+        enabled opens a micro-batch, unless one is open (`train_step`'s own, or an earlier
+        call before the same backward), and counts its samples; `engine.backward` closes
+        it. So a hand step's forward runs from the call of the model (before any hook of
+        its own, so that gathering sharded parameters counts, as in `train_step`) to
+        `engine.backward`, the loss included. Idempotent."""
+        if self._forwards is None:
+            self._forwards = model.register_forward_pre_hook(
+                self._forward_called, with_kwargs=True, prepend=True
+            )
+
+    def _forward_called(self, _: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled() or self.timer.in_micro:
+            return  # an evaluation, or a forward inside an open micro-batch
+        self.timer.begin_micro()
+        samples = _samples((args, kwargs))
+        if samples:
+            self.per_device_batch = samples
+            self._forward_samples += samples
+
+    def take_forward_samples(self) -> int:
+        """Samples this process's hand-written forwards computed since the last call: the
+        batch size of each micro-batch (the first dimension its tensors share; 0 where
+        they share none)."""
+        samples, self._forward_samples = self._forward_samples, 0
+        return samples
 
     def finish(self, group: dist.ProcessGroup | None, is_main: bool) -> dict[str, Any]:
         """Gather every rank's breakdown (a collective over `group`); on the main rank,
@@ -121,3 +155,12 @@ class RunTiming:
             return None
         total = torch.cuda.get_device_properties(self.device).total_memory
         return torch.cuda.max_memory_reserved(self.device), total
+
+
+def _samples(call: Any) -> int:
+    """The samples in a model's call arguments, as `train_step` counts a batch's (the first
+    dimension their tensors share); 0 where they share none, which leaves them uncounted."""
+    try:
+        return batch_size(call)
+    except SetupError:
+        return 0
