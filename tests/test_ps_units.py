@@ -14,8 +14,9 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models import MODELS, build
 from dtrain.strategies.ps import ParameterServer, protocol, sharding, state
-from dtrain.strategies.ps.optimizer import check_optimizer
+from dtrain.strategies.ps.optimizer import GroupSettings, check_optimizer
 from dtrain.strategies.ps.storage import FlatParameters
+from dtrain.strategies.rebuild import hyperparameters
 from dtrain.topology import Topology
 
 
@@ -130,6 +131,28 @@ def test_an_optimizer_the_servers_cannot_run_is_named() -> None:
         check_optimizer(torch.optim.LBFGS(params))
     with pytest.raises(ConfigError, match="needs an optimizer"):
         check_optimizer(None)
+
+
+def test_every_numeric_group_setting_travels_in_its_type() -> None:
+    """What a commit carries: lr, betas, eps, weight_decay, the flags (bools stay bools);
+    keys a scheduler adds after setup stay behind; None settings cannot travel."""
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 0.5}])
+    settings = GroupSettings([hyperparameters(group) for group in optimizer.param_groups])
+    torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=4)
+    decoded = settings.decode(settings.encode(optimizer.param_groups))
+    for group, values in zip(optimizer.param_groups, decoded, strict=True):
+        assert values == {k: group[k] for k in values}
+        assert isinstance(values["betas"], tuple) and isinstance(values["amsgrad"], bool)
+        assert "initial_lr" not in values and "foreach" not in values
+    assert decoded[0]["betas"] == (0.95, 0.999)  # OneCycleLR starts beta1 at its maximum
+    optimizer.param_groups[1]["foreach"] = True
+    with pytest.raises(ConfigError, match="group 1's setting 'foreach' is now True, but was None"):
+        settings.encode(optimizer.param_groups)
+    optimizer.param_groups[1]["foreach"] = None
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(ConfigError, match="has 3 param groups, but had 2 at engine.setup"):
+        settings.encode(optimizer.param_groups)
 
 
 def test_ps_without_its_servers_is_refused() -> None:

@@ -1,17 +1,31 @@
 """The worker's side of the parameter server: push gradients, commit, pull parameters.
 
-Overlap, as in BytePS and PyTorch DDP: a hook on every parameter hands its gradient over
-as soon as backward has accumulated it, and a bucket (a contiguous ~4 MiB range of the
-parameters, see sharding.py) is pushed the moment its last gradient is in, while backward
-goes on with the layers below. A bucket inside one parameter goes out straight from the
-gradient's storage; a bucket spanning several parameters is staged in one buffer first.
-`commit` (the optimizer's `step`) then tells every server that this step's gradients are
-complete, with the learning rates to use, and posts the receives of the new parameters,
-bucket by bucket into the landing buffer (storage.py), without waiting; the model's
-forward waits for them, so the pull overlaps with loading the next batch.
-(In async mode a forward that did not wait at all, computing on the parameters it had,
-added about one step of staleness and made the demo diverge at momentum 0.9, so every
-mode waits for its pull.)
+Gradients are pushed once they are final. `commit` (the optimizer's `step`) pushes every
+bucket not sent yet, so what a loop written by hand does to the gradients between
+backward and `optimizer.step()` (several backward passes accumulated without
+`engine.no_sync()`, a scaling) is what the servers receive. Inside `engine.train_step`
+nothing changes a gradient between its last backward and its step, so there the push
+overlaps with backward, as in BytePS and PyTorch DDP (`early`): a hook on every trainable
+parameter hands its gradient over as soon as backward has accumulated it, and a bucket
+(a contiguous ~4 MiB range of the parameters, see sharding.py) is pushed the moment its
+last gradient is in, while backward goes on with the layers below. A bucket inside one
+parameter goes out straight from the gradient's storage; a bucket spanning several
+parameters is staged in one buffer first.
+
+In sync mode with several workers a worker's gradient is only its share of the round's
+mean, so a change made to it after backward is not that change of the batch's gradient
+(torch's `clip_grad_norm_` would clip by this worker's own norm, not by the norm of the
+gradient `single` clips): the commit refuses gradients changed in place or replaced since
+backward produced them. A parameter without a gradient (unused, frozen) is pushed as
+zeros, and the commit tells the servers which parameters have none (server.py decides
+which to step).
+
+`commit` tells every server that this step's gradients are complete, with every param
+group's settings, and posts the receives of the new parameters, bucket by bucket into the
+landing buffer (storage.py), without waiting; the model's forward waits for them, so the
+pull overlaps with loading the next batch. (In async mode a forward that did not wait at
+all, computing on the parameters it had, added about one step of staleness and made the
+demo diverge at momentum 0.9, so every mode waits for its pull.)
 """
 
 from __future__ import annotations
@@ -20,10 +34,20 @@ from typing import Any
 
 import torch
 
+from dtrain.errors import ConfigError
 from dtrain.strategies.ps import protocol
 from dtrain.strategies.ps.protocol import HEADER, PAYLOAD, PUSH_TAGS, REPLY, Op
 from dtrain.strategies.ps.sharding import Plan
 from dtrain.strategies.ps.storage import FlatParameters
+
+CHANGED_GRADIENT = (
+    "A gradient was changed between backward and optimizer.step() (clipped with "
+    "torch.nn.utils.clip_grad_norm_, or scaled or replaced by hand). Under --strategy ps in "
+    "sync mode each worker holds only its share of the batch's gradient, so that change "
+    "would not be the one single makes to the whole batch's gradient. Clip with "
+    "engine.clip_grad_norm_(max_norm) (or --clip-grad-norm), which the servers apply to the "
+    "round's mean gradient, and scale the loss rather than the gradients."
+)
 
 
 class Client:
@@ -35,7 +59,9 @@ class Client:
         channel: the run's messages.
         rank: this worker's index in [0, W) (global rank 0 is worker 0).
         servers: the global rank of each server.
-        groups: number of optimizer param groups (lr values per commit).
+        width: the floats of the param groups' settings in each commit (GroupSettings).
+        shared: this worker's gradient is one share of a sync round's (sync, W > 1): the
+            commit refuses gradients changed since backward.
         timeout_s: how long any wait may last before the peer is declared dead.
     """
 
@@ -46,7 +72,8 @@ class Client:
         channel: protocol.Channel,
         rank: int,
         servers: list[int],
-        groups: int,
+        width: int,
+        shared: bool,
         timeout_s: float,
     ) -> None:
         self.plan = plan
@@ -55,7 +82,8 @@ class Client:
         self.params = store.params
         self.rank = rank
         self.servers = servers
-        self.groups = groups
+        self.width = width
+        self.shared = shared
         self.timeout_s = timeout_s
         # The pieces of each parameter: (server, bucket, start in the parameter, numel,
         # start in the flat buffer); how many pieces each bucket still waits for this step.
@@ -70,18 +98,33 @@ class Client:
         self.staging = torch.empty_like(store.incoming)
         self.versions = [0] * len(self.servers)
         self.versions_in = [torch.zeros(1, dtype=torch.int64) for _ in self.servers]
-        self.syncing = True
+        self.early = False
+        """Push each bucket from the hooks as backward completes it (set by the strategy
+        inside `engine.train_step`'s last backward of a step)."""
         self.pushed: set[int] = set()
+        self.seen: dict[int, tuple[int, int]] = {}
+        """The parameters backward gave a gradient since the last commit: the gradient's
+        (storage address, version counter) when backward left it."""
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.pulls: list[tuple[int, list[Any]]] = []
         self.finished = False
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params]
+        # Frozen parameters get no hook (torch refuses one); they have no gradient to hand over.
+        self.hooks = [
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+            for p in self.params
+            if p.requires_grad
+        ]
         self._index = {id(p): i for i, p in enumerate(self.params)}
 
     # -- push ------------------------------------------------------------------------------
     def _on_gradient(self, param: torch.Tensor) -> None:
-        if self.syncing:
-            self.push(self._index[id(param)])
+        index = self._index[id(param)]
+        grad = param.grad
+        assert grad is not None  # backward has just accumulated it
+        # Every in-place change of a tensor moves its version counter.
+        self.seen[index] = (grad.data_ptr(), grad._version)
+        if self.early:
+            self.push(index)
 
     def push(self, index: int) -> None:
         """Hand over parameter `index`'s gradient (zeros if it has none); send full buckets."""
@@ -105,19 +148,40 @@ class Client:
                 self.sends.append((work, payload))
         self.pushed.add(index)
 
-    def commit(self, lrs: list[float], clip: float = 0.0) -> None:
-        """End the step: push what is missing, commit with `lrs` and `clip` (see the
-        protocol's COMMIT) and post the gated pull."""
+    def commit(self, settings: list[float], clip: float = 0.0) -> None:
+        """End the step: push what is not pushed yet, commit with the param groups'
+        `settings`, `clip` (see the protocol's COMMIT) and which parameters have a
+        gradient, and post the gated pull.
+
+        Raises:
+            ConfigError: `shared`, and a gradient was changed since backward produced it.
+        """
         self.wait_pulls()
+        if self.shared:
+            self._check_unchanged()
+        present = [p.grad is not None for p in self.params]
         for index in range(len(self.params)):
             if index not in self.pushed:
                 self.push(index)
         self.pushed.clear()
+        self.seen.clear()
         self.missing = [list(sizes) for sizes in self.bucket_sizes]
-        for s in range(len(self.servers)):
-            self._request(s, Op.COMMIT, self.versions[s], clip, lrs=lrs)
+        mask = None if all(present) else torch.tensor(present, dtype=torch.uint8)
+        for s, server in enumerate(self.servers):
+            masked = float(mask is not None)
+            self._request(s, Op.COMMIT, self.versions[s], clip, masked, settings=settings)
+            if mask is not None:
+                self.sends.append((self.channel.send(mask, server, PAYLOAD), mask))
             self._post_pull(s)
         self._drain_sends()
+
+    def _check_unchanged(self) -> None:
+        """Refuse a gradient backward produced that was changed in place or replaced since
+        (a gradient set to None counts as none, on any worker alike)."""
+        for index, seen in self.seen.items():
+            grad = self.params[index].grad
+            if grad is not None and (grad.data_ptr(), grad._version) != seen:
+                raise ConfigError(CHANGED_GRADIENT)
 
     # -- pull ------------------------------------------------------------------------------
     def _post_pull(self, s: int) -> None:
@@ -211,9 +275,10 @@ class Client:
 
     # -- transport -------------------------------------------------------------------------
     def _request(
-        self, s: int, op: Op, a: float = 0, b: float = 0, lrs: list[float] | None = None
+        self, s: int, op: Op, *fields: float, settings: list[float] | None = None
     ) -> None:
-        head = protocol.header(op, self.rank, a, b, lrs, self.groups)
+        """Send server `s` a header: `fields` are its a, b, c (see protocol.py)."""
+        head = protocol.header(op, self.rank, *fields, settings=settings, width=self.width)
         self.sends.append((self.channel.send(head, self.servers[s], HEADER), head))
 
     def _drain_sends(self) -> None:

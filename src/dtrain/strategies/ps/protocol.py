@@ -10,16 +10,19 @@ run has a process group of its own for these messages (:class:`Channel`).
 
 Pushed gradients need no header: they travel on a tag of their own per bucket (PUSH_TAGS
 + bucket index), and a server posts the receives of all a worker's next buckets when it
-answers that worker's pull (and at start), so the buckets stream in while backward
-completes them, in any order, straight into posted receives; the COMMIT that follows
-them finds them in.
+answers that worker's pull (and at start), so the buckets stream in as the worker sends
+them (while backward completes them inside `engine.train_step`, at `optimizer.step()`
+otherwise: client.py), in any order, straight into posted receives; the COMMIT that
+follows them finds them in.
 
-    header = [op, sender, a, b, lr of param group 0, ..., lr of group G-1]
+    header = [op, sender, a, b, c, the settings of every param group (GroupSettings)]
 
     COMMIT    a = version the gradients were computed on, b = clipping (0: none;
               sync: the bound on the round mean's global norm; async/ssp: the factor
-              for this gradient); the pull of the next parameters, answered when the
-              mode allows                                  reply: version, buckets
+              for this gradient), c = 1 if some parameter has no gradient: a uint8
+              mask over the parameters (1: it has one) follows as payload; the pull
+              of the next parameters, answered when the mode allows
+                                                           reply: version, buckets
     PULL      the latest parameters now                    reply: version, buckets
     GET_STATE                                        reply: optimizer state (bytes)
     SET_STATE a = bytes                              payload: params + optimizer state
@@ -49,7 +52,7 @@ from dtrain.errors import DtrainError
 HEADER, PAYLOAD, REPLY, NORM, PUSH_TAGS = 0, 1, 2, 3, 16
 """Message tags; NORM carries a server's share of a sync round's squared gradient norm
 to the other servers."""
-FIXED_FIELDS = 4
+FIXED_FIELDS = 5
 STATS = (
     "updates",  # optimizer steps applied
     "used",  # gradients those steps used
@@ -82,11 +85,17 @@ class ParameterServerError(DtrainError):
 
 
 def header(
-    op: Op, sender: int, a: float = 0, b: float = 0, lrs: list[float] | None = None, groups: int = 0
+    op: Op,
+    sender: int,
+    a: float = 0,
+    b: float = 0,
+    c: float = 0,
+    settings: list[float] | None = None,
+    width: int = 0,
 ) -> torch.Tensor:
-    """A header tensor of FIXED_FIELDS + `groups` float64 values."""
-    values = [float(op), float(sender), float(a), float(b)]
-    values += list(lrs) if lrs is not None else [0.0] * groups
+    """A header tensor of FIXED_FIELDS + `width` float64 values (`settings`, or zeros)."""
+    values = [float(op), float(sender), float(a), float(b), float(c)]
+    values += settings if settings is not None else [0.0] * width
     return torch.tensor(values, dtype=torch.float64)
 
 

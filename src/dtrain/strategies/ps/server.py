@@ -12,6 +12,13 @@ One loop receives requests from any worker (see protocol.py) and applies the mod
 - ssp: updates as async, but a worker's pull is answered only once it is at most s steps
   ahead of the slowest unfinished worker (Stale Synchronous Parallel, Ho et al., NIPS 2013).
 
+A parameter no gradient of an update has is not stepped, as a torch optimizer skips a
+parameter whose `.grad` is None (no weight decay, no momentum, no step count). In sync
+mode that is a parameter none of the round's workers has a gradient for; if some have
+one, the others' count as zeros, since `single` over the global batch would have a
+gradient, the sum over every sample's (a worker whose samples did not reach the
+parameter adds nothing to it).
+
 The server keeps its buckets back to back in one flat buffer; the optimizer's parameters
 (one per key, shard_optimizer.py) are views of it, so an update changes the buffer that
 replies send. An update runs bucket by bucket, and each bucket goes out to the workers
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,6 +38,7 @@ from dtrain.config import Config
 from dtrain.observe.logs import LOGGER
 from dtrain.strategies.ps import protocol
 from dtrain.strategies.ps.handshake import Start
+from dtrain.strategies.ps.optimizer import GroupSettings
 from dtrain.strategies.ps.outbox import Outbox
 from dtrain.strategies.ps.protocol import HEADER, NORM, PAYLOAD, PUSH_TAGS, Op
 from dtrain.strategies.ps.roles import Roles
@@ -66,8 +75,12 @@ class Server:
                 values[bucket.start : bucket.start + bucket.numel]
             )
         self.optimizer = ShardOptimizer(shard, self.flat, description)
-        self.groups = len(description.settings)
+        self.settings = GroupSettings(description.settings)
+        self.key_params = [key.param for key in shard.keys]
+        self.params = len(description.sizes)
         self.received = [torch.zeros_like(self.flat) for _ in range(workers)]
+        self.present: list[list[bool] | None] = [None] * workers
+        """Which of this server's keys each worker's last gradient has (None: all)."""
         self.pushes: dict[int, list[protocol.dist.Work]] = {}
         """The posted receives of each worker's next buckets (see _post_pushes)."""
         self.round_sum = torch.zeros_like(self.flat)
@@ -105,7 +118,7 @@ class Server:
         LOGGER.info("server %d done: %s", self.index, self.stats)
 
     def _loop(self) -> None:
-        head = torch.empty(protocol.FIXED_FIELDS + self.groups, dtype=torch.float64)
+        head = torch.empty(protocol.FIXED_FIELDS + self.settings.width, dtype=torch.float64)
         for worker in range(self.workers):
             self._post_pushes(worker)
         while len(self.finished) < self.workers:
@@ -116,9 +129,12 @@ class Server:
                 what = f"Server {self.index} receiving gradients from worker {sender}"
                 for work in self.pushes.pop(sender):
                     protocol.wait(work, self.config.timeout_s, what)
+                masked = head[4].item()  # a mask of the parameters with a gradient follows
+                self.present[sender] = self._recv_present(sender) if masked else None
                 self.waiting[sender] = int(a) + 1
                 clip = head[3].item()
-                self._commit(sender, int(a), head[protocol.FIXED_FIELDS :].tolist(), clip)
+                settings = self.settings.decode(head[protocol.FIXED_FIELDS :].tolist())
+                self._commit(sender, int(a), settings, clip)
             elif op is Op.PULL:
                 self._reply_params(sender)
             elif op is Op.GET_STATE:
@@ -141,13 +157,15 @@ class Server:
                 self._reply_params(worker)
 
     # -- updates ---------------------------------------------------------------------------
-    def _commit(self, worker: int, version: int, lrs: list[float], clip: float) -> None:
+    def _commit(
+        self, worker: int, version: int, settings: list[dict[str, Any]], clip: float
+    ) -> None:
         self.clocks[worker] += 1
         if self.mode == "sync":
             if version < self.version:
                 self.stats["dropped"] += 1
                 return
-            self.optimizer.set_lrs(lrs, 1.0)
+            self.optimizer.set_settings(settings, 1.0)
             self.round_clip = clip
             self.members.append(worker)
             self._maybe_close_round()
@@ -162,11 +180,11 @@ class Server:
         scale = 1.0 / self.workers
         if self.config.staleness_lr:
             scale /= max(1, staleness)
-        self.optimizer.set_lrs(lrs, scale)
+        self.optimizer.set_settings(settings, scale)
         received = self.received[worker]
         if clip > 0:  # the worker measured its gradient's norm and sent the factor
             received.mul_(clip)
-        self._apply(lambda b: self._slice(received, b), used=1)
+        self._apply(lambda b: self._slice(received, b), [worker])
 
     def _maybe_close_round(self) -> None:
         """Sync: apply the round's mean once W - B gradients are in."""
@@ -187,7 +205,7 @@ class Server:
                 self._fold(0, self.flat.numel())
                 self.folded = len(self.members)
             return
-        count = len(self.members)
+        count, members = len(self.members), self.members  # _apply reads them before clear()
         if self.round_clip > 0:
             # The whole mean first: its global norm decides the factor of every bucket.
             if count == 1:
@@ -195,13 +213,13 @@ class Server:
             else:
                 mean = self._fold(0, self.flat.numel()).div_(count)
             mean.mul_(self._clip_factor(mean, self.round_clip))
-            self._apply(lambda b: self._slice(mean, b), used=count)
+            self._apply(lambda b: self._slice(mean, b), members)
         elif count == 1:
             first = self.received[self.members[0]]
-            self._apply(lambda b: self._slice(first, b), used=1)
+            self._apply(lambda b: self._slice(first, b), members)
         else:
             # The last gradient is added bucket by bucket, inside the pipelined update.
-            self._apply(lambda b: self._round_mean(b, count), used=count)
+            self._apply(lambda b: self._round_mean(b, count), members)
         self.members.clear()
         self.folded = 0
 
@@ -251,23 +269,34 @@ class Server:
         bucket = self.buckets[b]
         return flat[bucket.offset : bucket.offset + bucket.numel]
 
-    def _apply(self, gradient: Callable[[int], torch.Tensor], used: int) -> None:
-        """One update with the gradient `gradient(b)` of each bucket b, bucket by bucket;
-        each updated bucket goes at once to the workers whose pull the update releases."""
+    def _apply(self, gradient: Callable[[int], torch.Tensor], used: list[int]) -> None:
+        """One update with the gradient `gradient(b)` of each bucket b, the mean of the
+        gradients of the workers `used`, bucket by bucket; each updated bucket goes at once
+        to the workers whose pull the update releases. A key none of them has a gradient
+        for is not stepped."""
+        present = self._present(used)
         self.version += 1
         stats = self.stats
-        stats["min_used"] = used if stats["updates"] == 0 else min(stats["min_used"], used)
-        stats["max_used"] = max(stats["max_used"], used)
+        count = len(used)
+        stats["min_used"] = count if stats["updates"] == 0 else min(stats["min_used"], count)
+        stats["max_used"] = max(stats["max_used"], count)
         stats["updates"] += 1
-        stats["used"] += used
+        stats["used"] += count
         recipients = self._take_ready()
         for worker in recipients:
             self._send_version(worker)
         for b in range(len(self.buckets)):
             self.outbox.wait(self.bucket_sent[b])  # replies read the bucket in place
-            self.optimizer.step(b, gradient(b))
+            self.optimizer.step(b, gradient(b), present)
             for worker in recipients:
                 self._send_bucket(b, worker)
+
+    def _present(self, workers: list[int]) -> list[bool] | None:
+        """The keys some of `workers`' gradients have (None: all)."""
+        masks = [mask for w in workers if (mask := self.present[w]) is not None]
+        if len(masks) < len(workers):
+            return None
+        return [any(bits) for bits in zip(*masks, strict=True)]
 
     # -- pulls -----------------------------------------------------------------------------
     def _ready(self, worker: int, needed_version: int) -> bool:
@@ -319,6 +348,13 @@ class Server:
             self.channel.recv(self._slice(received, b), self.worker_ranks[worker], PUSH_TAGS + b)
             for b in range(len(self.buckets))
         ]
+
+    def _recv_present(self, worker: int) -> list[bool]:
+        """Receive a COMMIT's mask over the parameters; which of this server's keys it has."""
+        mask = torch.empty(self.params, dtype=torch.uint8)
+        self._recv(mask, worker)
+        has = mask.tolist()
+        return [bool(has[param]) for param in self.key_params]
 
     def _recv(self, tensor: torch.Tensor, worker: int) -> None:
         what = f"Server {self.index} receiving from worker {worker}"

@@ -9,6 +9,8 @@ g is the user's group g everywhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -42,20 +44,26 @@ class ShardOptimizer:
         ]
         self._bucket_of_key = [b for b, bucket in enumerate(shard.buckets) for _ in bucket.keys]
 
-    def set_lrs(self, lrs: list[float], scale: float) -> None:
-        """The learning rate of each param group (a worker's commit), times `scale`."""
+    def set_settings(self, settings: list[dict[str, Any]], lr_scale: float) -> None:
+        """Each param group's numeric settings (a worker's commit), its lr times `lr_scale`."""
         for optimizer in self.optimizers:
-            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr * scale
+            for group, values in zip(optimizer.param_groups, settings, strict=True):
+                group.update(values)
+                group["lr"] = values["lr"] * lr_scale
 
-    def step(self, b: int, grad: torch.Tensor) -> None:
-        """Update bucket `b` with its gradient `grad` (laid out as the bucket)."""
+    def step(self, b: int, grad: torch.Tensor, present: list[bool] | None = None) -> None:
+        """Update bucket `b` with its gradient `grad` (laid out as the bucket); only the
+        keys `present` marks (None: all) get a gradient, so the optimizer skips the others."""
         bucket = self.shard.buckets[b]
+        stepping = False
         for k in bucket.keys:
-            key = self.shard.keys[k]
-            at = key.offset - bucket.offset
-            self.params[k].grad = grad[at : at + key.numel]
-        self.optimizers[b].step()
+            if present is None or present[k]:
+                key = self.shard.keys[k]
+                at = key.offset - bucket.offset
+                self.params[k].grad = grad[at : at + key.numel]
+                stepping = True
+        if stepping:
+            self.optimizers[b].step()
         for k in bucket.keys:
             self.params[k].grad = None
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from dtrain.batches import LossFn
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
@@ -32,7 +33,7 @@ from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.ps import serving, sharding, state
 from dtrain.strategies.ps.client import Client
 from dtrain.strategies.ps.handshake import Description, handshake
-from dtrain.strategies.ps.optimizer import WorkerOptimizer, check_optimizer
+from dtrain.strategies.ps.optimizer import GroupSettings, WorkerOptimizer, check_optimizer
 from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.ps.storage import FlatParameters
 from dtrain.topology import Topology
@@ -69,6 +70,8 @@ class ParameterServer(Strategy):
         self._clip = 0.0
         """What the next COMMIT asks the servers to clip by (0: nothing): the bound
         (sync), or the factor for this worker's gradient (async, ssp)."""
+        self._holding = False
+        """Inside `no_sync`: the micro-batch's gradients are not final yet."""
 
     # -- layout ----------------------------------------------------------------------------
     @classmethod
@@ -175,16 +178,18 @@ class ParameterServer(Strategy):
         self._broadcast_rest(model, params)
         self.plan = start.description.plan(self.config.servers)
         self.model = model
+        settings = GroupSettings(start.description.settings)
         self.client = Client(
             self.plan,
             store,
             start.channel,
             self.dp_rank,
             self.roles.server_ranks,
-            len(optimizer.param_groups),
+            settings.width,
+            self.config.ps_mode == "sync" and self.workers > 1,
             self.config.timeout_s,
         )
-        self.optimizer = WorkerOptimizer(optimizer, self._commit, self._fetch_state)
+        self.optimizer = WorkerOptimizer(optimizer, settings, self._commit, self._fetch_state)
         # The step's own data dependency: a forward computes on the pulled parameters.
         model.register_forward_pre_hook(lambda *_: self._client.wait_pulls())
         atexit.register(self._finish_at_exit)
@@ -222,19 +227,30 @@ class ParameterServer(Strategy):
         assert self.client is not None, "engine.setup has not run"
         return self.client
 
-    def _commit(self, lrs: list[float]) -> None:
+    def _commit(self, settings: list[float]) -> None:
         self._fresh = False
         clip, self._clip = self._clip, 0.0
-        self._client.commit(lrs, clip)
+        self._client.commit(settings, clip)
+
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
+        """`engine.train_step`'s forward and backward: between its last backward of a step
+        and its optimizer step nothing changes a gradient (under ps `clip_grad_norm_` only
+        measures), so that backward pushes each bucket as it completes it. Everywhere else
+        the optimizer's step pushes, after whatever the script did to the gradients."""
+        client = self._client
+        client.early = not self._holding
+        try:
+            return super().forward_backward(batch, loss_fn, scale)
+        finally:
+            client.early = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        client = self._client
-        client.syncing = False
+        self._holding = True
         try:
             yield
         finally:
-            client.syncing = True
+            self._holding = False
 
     def _settle(self) -> None:
         """Return once the servers have taken in every worker's committed steps.
