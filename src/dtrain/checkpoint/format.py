@@ -48,6 +48,23 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}  # type: ignore[union-attr]
 
 
+def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with each one that shares memory with an earlier one copied.
+
+    Tied weights (an output layer that is the input embedding) can arrive as one tensor
+    under two names (a plain ``torch.save`` file keeps the tie, and so does a state handed
+    over uncopied); safetensors refuses shared memory, and a plain `load_state_dict` of
+    the file wants every name, so each name gets its own copy.
+    """
+    seen: set[tuple[torch.device, int]] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        memory = (tensor.device, tensor.untyped_storage().data_ptr())
+        out[name] = tensor.clone() if memory in seen else tensor
+        seen.add(memory)
+    return out
+
+
 def write(
     path: Path,
     tensors: dict[str, torch.Tensor],
@@ -65,7 +82,9 @@ def write(
         info: manifest fields: at least step, epoch, strategy, world_size, model_class.
     """
     with atomic_directory(Path(path)) as tmp:
-        safetensors.torch.save_file(tensors, tmp / MODEL_FILE, metadata={"format": FORMAT})
+        safetensors.torch.save_file(
+            unshared(tensors), tmp / MODEL_FILE, metadata={"format": FORMAT}
+        )
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         torch.save(trainer, tmp / TRAINER_FILE)

@@ -16,6 +16,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from dtrain.checkpoint.format import unshared
 from dtrain.checkpoint.names import canonical_state_dict
 from dtrain.errors import CheckpointError
 
@@ -96,7 +97,7 @@ def write_plain(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     if path.suffix == ".safetensors":
-        safetensors.torch.save_file(tensors, tmp)
+        safetensors.torch.save_file(unshared(tensors), tmp)
     else:
         torch.save(tensors, tmp)
     tmp.replace(path)

@@ -30,12 +30,18 @@ def whole_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """`module`'s whole tensors and name-keyed optimizer state, gathered one tensor at a
     time (a collective over the ranks sharing its DTensors; device memory for one whole
-    tensor at once). Ranks with `keep` False take part but keep nothing."""
+    tensor at once) and copied to the CPU: a snapshot that training does not change, one
+    tensor per name. Ranks with `keep` False take part but keep nothing."""
 
     def whole(tensor: torch.Tensor) -> torch.Tensor | None:
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
-        return tensor.detach().cpu().contiguous() if keep else None
+        if not keep:
+            return None
+        # Always a copy: on the CPU `.cpu()` would hand back the live tensor (a replicated
+        # DTensor's too), so the state would change with training and tied weights would
+        # reach the writer as one tensor under two names.
+        return tensor.detach().to("cpu", copy=True).contiguous()
 
     tensors = {canonical_name(k): whole(v) for k, v in module.state_dict().items()}
     optimizer_state = state_by_name(optimizer, module, whole) if optimizer is not None else None

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from dtrain.errors import ConfigError, SetupError
 from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.ddp import DDP
-from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped
+from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
 
 
 @register
@@ -59,3 +59,27 @@ class Zero1(DDP):
             optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
         # Rank 0 alone holds the consolidated state: skip the mesh's every-rank gathering.
         return Strategy.full_state(self, optimizer)
+
+    def load_full_state(
+        self,
+        tensors: dict[str, torch.Tensor],
+        optimizer: Optimizer | None,
+        optimizer_state: dict[str, Any] | None,
+        strict: bool,
+    ) -> list[str]:
+        """Every rank loads the whole model and hands the whole optimizer state to
+        ZeroRedundancyOptimizer, which keeps the state of its own shard of the parameters
+        (the mesh's DCP loader would first ask it for a consolidated state it lacks)."""
+        groups = optimizer.param_groups if optimizer is not None else []
+        skipped = Strategy.load_full_state(self, tensors, optimizer, optimizer_state, strict)
+        if isinstance(optimizer, ZeroRedundancyOptimizer) and optimizer.param_groups is not groups:
+            # Loading put new group dicts in place of the user's; the user's take the
+            # loaded settings and go back in, so a scheduler on the user's optimizer still
+            # drives the learning rate that trains.
+            for mine, loaded in zip(groups, optimizer.param_groups, strict=True):
+                mine.update(hyperparameters(loaded))
+            optimizer.param_groups = groups
+            # Its exposed `state` now holds a second copy of this rank's shard; it steps
+            # with the local optimizer's, so the copy only costs memory.
+            optimizer.state.clear()
+        return skipped
