@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - torch's usual alias
 from torch import nn
 
 import dtrain
+from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
+from dtrain.strategies.ps import ParameterServer, serving
+from dtrain.topology import init_process_group
 
-VOCAB, DIM, CONTEXT, BATCH, STEPS = 32, 16, 4, 8, 4
+VOCAB, DIM, CONTEXT, BATCH, STEPS = 32, 16, 4, 12, 4
 SIDE = {"on": False}
 """Whether the blocks' side branch runs in this step (set by the loop: a branch used every
 other step, whatever copy of the model runs)."""
@@ -197,8 +202,8 @@ def _build(habit: Habit, rank: int) -> nn.Module:
     return model
 
 
-def _options(strategy: str, habit: Habit) -> dict[str, Any]:
-    options: dict[str, Any] = {"strategy": strategy}
+def _options(strategy: str, habit: Habit, extra: dict[str, Any]) -> dict[str, Any]:
+    options: dict[str, Any] = {"strategy": strategy, **extra}
     if strategy in ("pipeline", "tensor", "hybrid"):
         options["pp" if strategy == "pipeline" else "tp"] = 2
     if habit.sometimes_unused and strategy in ("ddp", "zero1"):
@@ -213,12 +218,15 @@ def _options(strategy: str, habit: Habit) -> dict[str, Any]:
     return options
 
 
-def run_habit(strategy: str, name: str, close: bool = True) -> Any:
-    """Train `STEPS` steps of the habit `name` under `strategy`; return the parameters on
-    the main rank (None elsewhere), or ``"refused: <message>"`` when dtrain refused it."""
+def run_habit(
+    strategy: str, name: str, close: bool = True, extra: dict[str, Any] | None = None
+) -> Any:
+    """Train `STEPS` steps of the habit `name` under `strategy` (`extra`: more options of
+    dtrain.init); return the parameters on the main rank (None elsewhere), or
+    ``"refused: <message>"`` when dtrain refused it."""
     habit = HABITS[name]
     try:
-        engine = dtrain.init(**_options(strategy, habit))
+        engine = dtrain.init(**_options(strategy, habit, extra or {}))
     except ConfigError as e:
         return f"refused: {e}"
     try:
@@ -268,7 +276,27 @@ def _train(engine: dtrain.Engine, habit: Habit) -> Any:
     return engine.state_dict()
 
 
-def run_habits(strategy: str, names: list[str]) -> dict[str, Any]:
+def run_habits(
+    strategy: str, names: list[str], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """`run_habit` for each of `names` in this process group, one after the other."""
     last = len(names) - 1
-    return {name: run_habit(strategy, name, close=i == last) for i, name in enumerate(names)}
+    return {
+        name: run_habit(strategy, name, close=i == last, extra=extra)
+        for i, name in enumerate(names)
+    }
+
+
+def run_ps_habits(names: list[str], workers: int, servers: int) -> Any:
+    """One rank of a ps job running each habit of `names` in turn: a worker returns what
+    `run_habits` returns, a server serves every run (as the launcher has it) and returns
+    "server"."""
+    options = {"nproc": workers, "servers": servers}
+    config = Config(strategy="ps", **options)
+    if ParameterServer.role_main(config, int(os.environ["RANK"])) is None:
+        return run_habits("ps", names, options)
+    init_process_group(serving.topology(config, server=True), config.timeout_s)
+    for _ in names:
+        serving.serve_job(config)
+    dist.destroy_process_group()
+    return "server"

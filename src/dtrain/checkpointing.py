@@ -112,6 +112,7 @@ class Checkpoints:
             everyone = gather_objects((rng.get_state(), part.groups), group)
             trainer = {
                 **position,
+                "shuffle_seed": self.position.shuffle_seed,
                 "rng_per_rank": [state for state, _ in everyone],
                 "optimizer_groups": merge_groups([groups for _, groups in everyone]),
             }
@@ -123,7 +124,11 @@ class Checkpoints:
             rng_states = gather_objects(rng.get_state(), group)
             if self.is_main:
                 assert tensors is not None
-                trainer = {**position, "rng_per_rank": rng_states}
+                trainer = {
+                    **position,
+                    "shuffle_seed": self.position.shuffle_seed,
+                    "rng_per_rank": rng_states,
+                }
                 checkpoint.write(path, tensors, optimizer_state, trainer, info)
                 committed()
         barrier(group)
@@ -224,6 +229,7 @@ class Checkpoints:
         where.step = int(trainer.get("step", manifest["step"]))
         where.epoch = int(trainer.get("epoch", manifest["epoch"]))
         where.resume_at = (where.epoch, int(trainer.get("samples_in_epoch", 0)))
+        where.shuffle_seed = trainer.get("shuffle_seed")
         rng_states = trainer.get("rng_per_rank") or []
         if rng_states:
             # Same number of processes: every rank continues its own streams; else rank 0's.

@@ -33,8 +33,8 @@ def _local(grad: torch.Tensor) -> tuple[torch.Tensor, tuple[dist.ProcessGroup, .
 def global_grad_norm(
     parameters: Iterable[nn.Parameter], across: Sequence[dist.ProcessGroup] = ()
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(the global L2 norm of the parameters' gradients as a float32 0-d tensor, the local
-    gradient tensors); a collective over the groups the gradients are spread over and
+    """(the global L2 norm of the parameters' gradients as a 0-d tensor, float32 or wider,
+    the local gradient tensors); a collective over the groups the gradients are spread over and
     over `across` (ranks holding different parameters, such as pipeline stages)."""
     sums: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
     local_grads: list[torch.Tensor] = []
@@ -45,7 +45,9 @@ def global_grad_norm(
         local, groups = _local(param.grad)
         local_grads.append(local)
         device = device or local.device
-        square = torch.linalg.vector_norm(local, dtype=torch.float32).square()
+        # At least float32 (bf16 and fp16 squares overflow or lose the sum), float64 kept.
+        wide = torch.promote_types(local.dtype, torch.float32)
+        square = torch.linalg.vector_norm(local, dtype=wide).square()
         sums[groups] = sums[groups] + square if groups in sums else square
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, square in sums.items():

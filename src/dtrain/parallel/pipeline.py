@@ -59,16 +59,17 @@ def untouched(module: nn.Module, device: torch.device) -> Iterator[None]:
     counters) hold their values from before and the random number generators their
     states. Plain Python attributes changed by a forward are not restored."""
     saved = [
-        (owner, name, buffer, buffer.detach().clone())
+        (owner, name, buffer.detach().clone())
         for owner in module.modules()
         for name, buffer in owner.named_buffers(recurse=False)
     ]
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         yield
-    with torch.no_grad():
-        for owner, name, buffer, value in saved:
-            buffer.copy_(value)
-            setattr(owner, name, buffer)  # a forward may have put another tensor there
+    # The copies taken before go back in place of the buffers, not into them: autograd
+    # saved some buffers (BatchNorm's running statistics) for the backward that torch
+    # infers next, and writing into them would fail that backward's version check.
+    for owner, name, value in saved:
+        setattr(owner, name, value)
 
 
 class TimedStage(PipelineStage):

@@ -172,10 +172,11 @@ class Stage(nn.Module):
         return list(zip(self.layer_names, self._chain, strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layers in order."""
+        """Apply the layers in order. The output is made contiguous: it may be sent to the
+        next stage, and a layer may well end on a view (``h.transpose(1, 2)``)."""
         for layer in self._chain:
             x = layer(x)
-        return x
+        return x.contiguous()
 
 
 @dataclass(frozen=True)

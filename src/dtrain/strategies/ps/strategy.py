@@ -29,6 +29,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
 from dtrain.parallel.clip import global_grad_norm
+from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.ps import serving, sharding, state
 from dtrain.strategies.ps.client import Client
@@ -169,6 +170,7 @@ class ParameterServer(Strategy):
     ) -> tuple[nn.Module, Optimizer | None]:
         check_optimizer(optimizer)
         assert optimizer is not None
+        model, compiled = unwrap_compiled(model)
         model = model.to(self.topology.device)
         params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         store = FlatParameters(params)
@@ -178,6 +180,8 @@ class ParameterServer(Strategy):
         self._broadcast_rest(model, params)
         self.plan = start.description.plan(self.config.servers)
         self.model = model
+        if self.config.compile or compiled:
+            compile_model(model, self.config.blocks, self.config.compile_backend)
         settings = GroupSettings(start.description.settings)
         self.client = Client(
             self.plan,
