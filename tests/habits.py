@@ -208,7 +208,7 @@ def _options(strategy: str, habit: Habit, extra: dict[str, Any]) -> dict[str, An
         options["pp" if strategy == "pipeline" else "tp"] = 2
     if habit.sometimes_unused and strategy in ("ddp", "zero1"):
         options["find_unused_parameters"] = True
-    data_parallel = strategy in ("ddp", "zero1", "zero2", "zero3")
+    data_parallel = strategy in ("ddp", "zero1", "zero2", "zero3", "ps")
     if habit.batchnorm and data_parallel:
         options["sync_batchnorm"] = True
     if habit.compiled:  # the model comes compiled: dtrain notices by itself

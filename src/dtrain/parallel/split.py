@@ -131,6 +131,18 @@ def placements(model: nn.Module, layers: list[Layer]) -> list[Layer]:
     return placed
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
 class Stage(nn.Module):
     """Some layers of a chain, run in order, holding the model's modules they use under
     their paths in the whole model.
@@ -172,8 +184,11 @@ class Stage(nn.Module):
         return list(zip(self.layer_names, self._chain, strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layers in order. The output is made contiguous: it may be sent to the
-        next stage, and a layer may well end on a view (``h.transpose(1, 2)``)."""
+        """Apply the layers in order. What travels between stages is made contiguous, as
+        gloo and NCCL send nothing else: the output, and the gradient of the input (a
+        layer may well end or begin on a view, ``h.transpose(1, 2)``)."""
+        if x.is_floating_point():
+            x = _ContiguousGrad.apply(x)
         for layer in self._chain:
             x = layer(x)
         return x.contiguous()

@@ -30,6 +30,7 @@ from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
 from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.strategies.base import Strategy, register
 from dtrain.strategies.ps import serving, sharding, state
 from dtrain.strategies.ps.client import Client
@@ -53,6 +54,7 @@ class ParameterServer(Strategy):
 
     name = "ps"
     multiprocess = True
+    supports_sync_batchnorm = True
     state_by_module = False
     exchange_in_step = True  # the step commits the gradients and waits for the update
     order = 30
@@ -105,6 +107,12 @@ class ParameterServer(Strategy):
         super().check_options(config)
         if config.clip_grad_norm is not None and config.backup_workers:
             raise ConfigError(NO_BACKUP_CLIPPING)
+        if config.sync_batchnorm and (config.ps_mode != "sync" or config.backup_workers):
+            raise ConfigError(
+                "--sync-batchnorm makes every worker's forward wait for the others' batch "
+                "statistics, which only sync ps without backup workers does step by step; "
+                "use --ps-mode sync without --backup-workers, or drop --sync-batchnorm."
+            )
 
     @classmethod
     def role_main(cls, config: Config, rank: int) -> Callable[[], None] | None:
@@ -178,6 +186,8 @@ class ParameterServer(Strategy):
         store.assign(start.values)
         self._workers_group = start.workers
         self._broadcast_rest(model, params)
+        if self.config.sync_batchnorm:  # the same parameter and buffer objects, regrouped
+            model = convert_sync_batchnorm(model, self._workers_group, self.topology.device)
         self.plan = start.description.plan(self.config.servers)
         self.model = model
         if self.config.compile or compiled:

@@ -1,0 +1,89 @@
+"""The habits matrix: one script of ordinary PyTorch habits (tests/habits.py) under every
+strategy, each habit equal to `single` on the same global batch or refused by name before
+it trains a wrong model."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+from distributed import run_ranks
+from habits import HABITS, run_habit, run_habits, run_ps_habits
+from torch.testing import assert_close
+from training import CLOSE
+
+EVERY = [name for name in HABITS if name != "compiled"]
+"""The habits every strategy runs; "compiled" traces each block (seconds per process), so
+it runs under the strategies the issue was found on and a few more."""
+
+BY_HAND = ["accumulate_no_sync", "accumulate_plain", "clip"]
+
+REFUSED: dict[tuple[str, str], str] = {
+    **{(s, "hook"): "carry a gradient hook" for s in ("zero2", "zero3")},
+    **{("pipeline", name): "run inside engine.train_step" for name in BY_HAND},
+    ("ps", "clip"): "A gradient was changed between backward and optimizer.step",
+}
+"""(strategy, habit) -> what the refusal must say; every other cell equals `single`."""
+
+SAME_AS_SINGLE_WITH: dict[tuple[str, str], dict[str, Any]] = {
+    # Four micro-batches normalise one after another, as `single` accumulating four does.
+    ("pipeline", "batchnorm"): {"grad_accumulation": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """`single`'s parameters for every habit."""
+    return {name: run_habit("single", name) for name in HABITS}
+
+
+def _check(strategy: str, results: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Every habit of `results` equal to `single` or refused as REFUSED says."""
+    for name, params in results.items():
+        refusal = REFUSED.get((strategy, name))
+        if refusal is not None:
+            assert isinstance(params, str) and refusal in params, f"{strategy}/{name}: {params}"
+            continue
+        assert not isinstance(params, str), f"{strategy}/{name}: {params}"
+        expected = reference[name]
+        if (strategy, name) in SAME_AS_SINGLE_WITH:
+            expected = run_habit("single", name, extra=SAME_AS_SINGLE_WITH[strategy, name])
+        assert_close(params, expected, **CLOSE, msg=lambda m, n=name: f"{strategy}/{n}: {m}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "strategy", ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor"]
+)
+def test_every_habit_under_two_processes(strategy: str, reference: dict[str, Any]) -> None:
+    names = [*EVERY, "compiled"] if strategy in ("zero2", "zero3", "tensor") else EVERY
+    results = run_ranks(run_habits, 2, strategy, names, timeout=280)[0]
+    _check(strategy, results, reference)
+
+
+@pytest.mark.timeout(300)
+def test_every_habit_under_parameter_servers(reference: dict[str, Any]) -> None:
+    names = [*EVERY, "compiled"]
+    results = run_ranks(run_ps_habits, 3, names, 2, 1, timeout=280)[0]
+    _check("ps", results, reference)
+
+
+def test_every_habit_under_towers(reference: dict[str, Any]) -> None:
+    names = [name for name in EVERY if name != "rank_seed"]  # one process: no ranks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = run_habits("towers", names)
+    # Each tower normalises its share, as nn.DataParallel does: said, naming the layers.
+    batchnorm = results.pop("batchnorm")
+    assert any("blocks.0.bn" in str(w.message) for w in caught)
+    assert not isinstance(batchnorm, str)
+    _check("towers", results, reference)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_some_habits_under_three_processes(strategy: str, reference: dict[str, Any]) -> None:
+    names = ["tied", "sometimes_unused", "batchnorm", "rank_seed", "accumulate_no_sync"]
+    results = run_ranks(run_habits, 3, strategy, names, timeout=280)[0]
+    _check(strategy, results, reference)
