@@ -204,8 +204,10 @@ def _build(habit: Habit, rank: int) -> nn.Module:
 
 def _options(strategy: str, habit: Habit, extra: dict[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {"strategy": strategy, **extra}
-    if strategy in ("pipeline", "tensor", "hybrid"):
+    if strategy in ("pipeline", "tensor"):
         options["pp" if strategy == "pipeline" else "tp"] = 2
+    if strategy == "hybrid":  # dp 2 x pp 2 at four processes
+        options.update(pp=2, microbatches=2)
     if habit.sometimes_unused and strategy in ("ddp", "zero1"):
         options["find_unused_parameters"] = True
     data_parallel = strategy in ("ddp", "zero1", "zero2", "zero3", "ps")

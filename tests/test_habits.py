@@ -20,7 +20,7 @@ it runs under the strategies the issue was found on and a few more."""
 BY_HAND = ["accumulate_no_sync", "accumulate_plain", "clip"]
 
 REFUSED: dict[tuple[str, str], str] = {
-    **{(s, "hook"): "carry a gradient hook" for s in ("zero2", "zero3")},
+    **{(s, "hook"): "carry a gradient hook" for s in ("zero2", "zero3", "hybrid")},
     **{("pipeline", name): "run inside engine.train_step" for name in BY_HAND},
     ("ps", "clip"): "A gradient was changed between backward and optimizer.step",
 }
@@ -87,3 +87,11 @@ def test_some_habits_under_three_processes(strategy: str, reference: dict[str, A
     names = ["tied", "sometimes_unused", "batchnorm", "rank_seed", "accumulate_no_sync"]
     results = run_ranks(run_habits, 3, strategy, names, timeout=280)[0]
     _check(strategy, results, reference)
+
+
+@pytest.mark.timeout(300)
+def test_some_habits_under_hybrid(reference: dict[str, Any]) -> None:
+    """dp 2 x pp 2: stages replicated with FSDP2's replicate."""
+    names = ["plain", "tied", "frozen_in_optimizer", "groups", "onecycle", "dict_output", "hook"]
+    results = run_ranks(run_habits, 4, "hybrid", names, timeout=280)[0]
+    _check("hybrid", results, reference)
