@@ -141,8 +141,8 @@ class Config:
         "Seed every RNG (Python, NumPy, torch on the CPU and on every GPU) with this on every "
         "rank, and the data shuffle with it. Without it, dtrain.init keeps the seed the "
         "script set when every rank set the same one (or there is one process), and "
-        "otherwise seeds every rank with rank 0's, so the replicas start equal (dtrain "
-        "demo: 0).",
+        "otherwise seeds every rank with rank 0's; each shuffling loader then draws its "
+        "seed from torch's generator when it is made, as DataLoader does (dtrain demo: 0).",
     )
     timeout_s: float = option(
         600.0, "Seconds a collective may wait before a hung rank is reported.", flag="--timeout"
