@@ -31,3 +31,12 @@ def _no_inherited_topology(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests build their topology explicitly; none leaks in from the environment."""
     for name in ("DTRAIN_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `quick` every test without a timeout of its own: the multi-process and
+    command-line tests all set one, so `pytest -m quick` is the in-process subset, a
+    loop of a few minutes for working on the code."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.quick)

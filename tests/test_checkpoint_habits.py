@@ -210,8 +210,9 @@ def tied_case(tmp_path: Path, kind: str, strategy: str, layout: str, **options: 
 
 @pytest.mark.timeout(300)
 def test_tied_weights_are_saved_under_every_name_and_load_back_tied(tmp_path: Path) -> None:
-    """Each strategy saves and loads in each layout at least once; GPT-2's Conv1D layers
-    have no tensor-parallel plan, the nanoGPT's Linear ones do."""
+    """Each strategy saves and loads in each layout at least once (zero2/zero3: the tied
+    parameter stays in the root FSDP unit); GPT-2's Conv1D layers have no tensor-parallel
+    plan, the nanoGPT's Linear ones do."""
     one_process = [
         tied_case(tmp_path, "gpt2", "single", "consolidated"),
         tied_case(tmp_path, "gpt2", "towers", "consolidated", towers=2),
@@ -225,6 +226,8 @@ def test_tied_weights_are_saved_under_every_name_and_load_back_tied(tmp_path: Pa
         tied_case(tmp_path, "nano", "zero1", "consolidated"),
         tied_case(tmp_path, "nano", "tensor", "consolidated"),
         tied_case(tmp_path, "nano", "tensor", "sharded"),
+        tied_case(tmp_path, "gpt2", "zero3", "consolidated"),
+        tied_case(tmp_path, "nano", "zero2", "sharded"),
     ]
     found = [save_and_reload(**case) for case in one_process]
     found += run_ranks(save_and_reload_all, 2, two_processes, timeout=280)[0]
