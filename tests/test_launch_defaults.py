@@ -83,10 +83,7 @@ def test_flags_that_would_do_nothing_are_refused(options: dict, message: str) ->
 
 def test_gpu_only_flags_are_refused_before_any_process_starts(tmp_path: Path) -> None:
     (tmp_path / "report.py").write_text(REPORT)
-    for flags, message in (
-        (["--strategy", "ddp", "--sync-batchnorm"], "--sync-batchnorm needs GPUs"),
-        (["--strategy", "zero3", "--cpu-offload"], "without GPUs there is nothing to offload"),
-    ):
-        proc = run_cli("run", "--nproc", "2", "--cpu", *flags, "report.py", cwd=tmp_path)
-        assert proc.returncode == 2 and message in proc.stderr
-        assert "strategy" not in proc.stdout  # no worker started
+    flags = ["--strategy", "zero3", "--cpu-offload"]
+    proc = run_cli("run", "--nproc", "2", "--cpu", *flags, "report.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "without GPUs there is nothing to offload" in proc.stderr
+    assert "strategy" not in proc.stdout  # no worker started
