@@ -16,6 +16,8 @@ import torch
 from torch.optim import Optimizer
 
 from dtrain import checkpoint, rng
+from dtrain.checkpoint.atomic import clean_leftovers
+from dtrain.checkpoint.directory import problems_of
 from dtrain.checkpoint.flat_optimizer import merge_groups
 from dtrain.checkpoint.format import (
     MODEL_FILE,
@@ -48,6 +50,8 @@ class Checkpoints:
         self.optimizer: Optimizer | None = None
         """The optimizer the loop steps (set by `engine.setup`)."""
         self._sharded = ShardedWriter(strategy)
+        self._cleaned: set[Path] = set()
+        """The folders where this run removed earlier attempts' interrupted writes."""
 
     @property
     def is_main(self) -> bool:
@@ -86,6 +90,7 @@ class Checkpoints:
         """
         path = Path(path)
         self._sharded.wait()
+        self._clean_once(path.parent)
         position = {
             "step": self.position.step,
             "epoch": self.position.epoch if epoch is None else epoch,
@@ -104,7 +109,7 @@ class Checkpoints:
             LOGGER.info("saved checkpoint %s at step %d", path, position["step"])
             self.last_path = path
             if keep is not None:
-                checkpoint.prune(path.parent, keep)
+                checkpoint.prune(path.parent, keep, written=path)
 
         group = self.strategy.train_group
         if self.strategy.config.checkpoint_format == "sharded":
@@ -134,14 +139,18 @@ class Checkpoints:
         barrier(group)
 
     def saved(self, path: str | Path) -> bool:
-        """Whether the newest checkpoint beside `path` is `path` (or is being written
-        there); decided on the main rank, the same answer on every rank (collective)."""
+        """Whether the newest checkpoint beside `path` is `path`, intact (or is being
+        written there); decided on the main rank, the same answer on every rank
+        (collective). A damaged one that `resume` skipped counts as not saved, so the
+        run writes it again when it reaches its step."""
         path = Path(path)
 
         def decide() -> bool:
-            return (
-                self._sharded.pending_target == path or checkpoint.find_latest(path.parent) == path
-            )
+            if self._sharded.pending_target == path:
+                return True
+            if checkpoint.find_latest(path.parent) != path:
+                return False
+            return self.last_path == path or not problems_of(path)
 
         return decided_by_main(decide, self.strategy.train_group, self.is_main)
 
@@ -190,6 +199,7 @@ class Checkpoints:
         checks it; the others load what it found.
         """
         self._sharded.wait()
+        self._clean_once(Path(root))
 
         def find() -> tuple[Path | None, list[str], dict[str, Any] | None]:
             latest, warnings = checkpoint.latest_intact(Path(root))
@@ -202,6 +212,15 @@ class Checkpoints:
         if latest is None or manifest is None:
             return None
         return self._load_checked(latest, manifest, strict=True)
+
+    def _clean_once(self, root: Path) -> None:
+        """Main rank: remove what earlier attempts' interrupted saves left under `root`
+        (`checkpoint.atomic.clean_leftovers`), the first time this run saves or resumes
+        there. Every caller has first waited for this run's own save in flight, so no
+        folder removed is one this run is writing."""
+        if self.is_main and root not in self._cleaned:
+            self._cleaned.add(root)
+            clean_leftovers(root)
 
     def _load_checked(self, path: Path, manifest: dict[str, Any], strict: bool) -> dict[str, Any]:
         """Load the checkpoint at `path`, whose files the main rank found intact."""

@@ -1,4 +1,5 @@
-"""Atomic checkpoint directories: written beside the target, then renamed into place.
+"""Atomic checkpoint directories (and files): written beside the target, then renamed
+into place.
 
 A reader sees either the previous checkpoint or the complete new one, never a half.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -51,6 +53,45 @@ def atomic_directory(target: Path) -> Iterator[Path]:
         commit(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_file(target: Path, text: str) -> None:
+    """Write `text` to the file `target` in one rename: a process killed meanwhile leaves
+    the previous `target` (or none), never part of the new one."""
+    target = Path(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-\w+")
+"""A hidden directory of an interrupted write: `temporary_beside`'s or `commit`'s."""
+
+
+def clean_leftovers(directory: Path) -> None:
+    """Remove what interrupted writes left in `directory`: the temporary directory of a
+    checkpoint never completed is deleted; a checkpoint set aside to be replaced
+    (``.NAME.old-PID``) goes back into place if its replacement never arrived, else it
+    is deleted. Call it only while nothing is being written into `directory`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for child in directory.iterdir():
+        found = _LEFTOVER.fullmatch(child.name)
+        if found is None or not child.is_dir():
+            continue
+        target = directory / found["name"]
+        if found["kind"] == "old" and not target.exists():
+            os.replace(child, target)
+        else:
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def _share_as_umask_says(directory: Path) -> None:

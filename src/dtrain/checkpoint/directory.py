@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 from dtrain.checkpoint.format import MANIFEST, read_manifest
 from dtrain.checkpoint.verify import verify
 from dtrain.errors import CheckpointError
+
+STEP_NAME = re.compile(r"step-(\d+)")
+"""The name :func:`step_path` gives a checkpoint directory."""
 
 
 def step_path(root: Path, step: int) -> Path:
@@ -16,7 +20,12 @@ def step_path(root: Path, step: int) -> Path:
 
 
 def checkpoints(root: Path) -> list[Path]:
-    """The checkpoint directories under `root`, newest (highest step) first."""
+    """The checkpoint directories under `root`, newest (highest step) first.
+
+    A damaged one is listed too, at the step its manifest or else its name
+    (``step-NNNNNNNN``) gives, so that `latest_intact` warns about it rather than
+    passing over it in silence; a directory with neither is no checkpoint.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
@@ -24,12 +33,13 @@ def checkpoints(root: Path) -> list[Path]:
     for child in root.iterdir():
         if child.name.startswith("."):
             continue  # a checkpoint being written, or being replaced
+        named = STEP_NAME.fullmatch(child.name)
         try:
-            if not (child / MANIFEST).is_file():
+            if not child.is_dir() or not ((child / MANIFEST).is_file() or named):
                 continue
-            step = int(read_manifest(child).get("step", -1))
+            step = read_manifest(child)["step"]
         except CheckpointError:
-            step = -1  # an unreadable manifest sorts last; verify reports it
+            step = int(named.group(1)) if named else -1  # latest_intact reports it
         except OSError:
             continue  # deleted while this scan looked at it
         found.append((step, child))
@@ -42,24 +52,40 @@ def find_latest(root: Path) -> Path | None:
     return found[0] if found else None
 
 
+def problems_of(path: Path) -> list[str]:
+    """What `verify` finds wrong with the checkpoint at `path`, its manifest included
+    (empty when it is intact)."""
+    if not (Path(path) / MANIFEST).is_file():
+        return [f"{MANIFEST} is missing"]
+    try:
+        return verify(path)
+    except CheckpointError as e:
+        return [str(e)]
+
+
 def latest_intact(root: Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint under `root` that passes `verify`, and a warning for each
     newer one that did not (so a corrupt newest falls back to the one before)."""
     warnings = []
     for path in checkpoints(root):
-        try:
-            problems = verify(path)
-        except CheckpointError as e:
-            problems = [str(e)]
+        problems = problems_of(path)
         if not problems:
             return path, warnings
         warnings.append(f"skipping damaged checkpoint {path}: {'; '.join(problems)}")
     return None, warnings
 
 
-def prune(root: Path, keep: int) -> None:
+def prune(root: Path, keep: int, written: Path | None = None) -> None:
     """Delete all but the newest `keep` complete checkpoints under `root` (one being
     written is not listed yet, so it never counts as kept). Call it on one rank only,
-    once no other rank reads the older ones."""
-    for old in checkpoints(root)[keep:]:
+    once no other rank reads the older ones.
+
+    `written`, the checkpoint just written, is kept and counted first: checkpoints of
+    later steps (an earlier attempt's that `resume` skipped as damaged, to be written
+    again when training reaches their step) are left alone, not counted as kept.
+    """
+    found = checkpoints(root)
+    if written is not None and Path(written) in found:
+        found = found[found.index(Path(written)) :]
+    for old in found[keep:]:
         shutil.rmtree(old, ignore_errors=True)

@@ -118,7 +118,8 @@ def write_manifest(
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint at `path`; a CheckpointError if it is not one."""
+    """The manifest of the checkpoint at `path`; a CheckpointError naming the file if it
+    is not one, or if its manifest cannot be read or does not say what a manifest says."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -127,18 +128,76 @@ def read_manifest(path: Path) -> dict[str, Any]:
             "or convert a plain PyTorch file with `dtrain ckpt convert SRC DST`."
         )
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(manifest_path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
+        raise damaged_manifest(manifest_path, f"it cannot be read as JSON ({e})") from None
+    kind = manifest.get("format") if isinstance(manifest, dict) else None
+    if isinstance(kind, str) and kind not in FORMATS:
         raise CheckpointError(
-            f"{manifest_path} is not valid JSON ({e}); the checkpoint is damaged."
-        ) from None
-    if manifest.get("format") not in FORMATS:
-        raise CheckpointError(
-            f"{path} has format {manifest.get('format')!r}; this dtrain reads "
+            f"{path} has format {kind!r}; this dtrain reads "
             f"{' and '.join(repr(f) for f in FORMATS)}. Convert it with the dtrain that "
             "wrote it, or load it there."
         )
+    problem = manifest_problem(manifest)
+    if problem:
+        raise damaged_manifest(manifest_path, problem)
     return manifest
+
+
+def damaged_manifest(manifest_path: Path, problem: str) -> CheckpointError:
+    """The error for a manifest that is damaged: the file, what is wrong, what to do."""
+    return CheckpointError(
+        f"{manifest_path} is damaged: {problem}. Resume from an older checkpoint "
+        "(engine.resume and --resume pick the newest intact one), or restore it from a copy."
+    )
+
+
+_FIELDS: dict[str, tuple[type, str]] = {
+    "format": (str, "a string"),
+    "step": (int, "an integer"),
+    "epoch": (int, "an integer"),
+    "world_size": (int, "an integer"),
+    "strategy": (str, "a string"),
+    "tensors": (dict, "an object"),
+    "files": (dict, "an object"),
+}
+"""The manifest's fields that dtrain reads: the JSON type each must have, in words."""
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with `manifest` (parsed JSON), or None if it has what
+    :func:`write_manifest` writes: the fields of `_FIELDS`, and a size and
+    checksum for every file (so every file can be verified before it is read)."""
+    if not isinstance(manifest, dict):
+        return f"it holds {json.dumps(manifest)[:40]}, not a JSON object"
+    for field, (kind, wanted) in _FIELDS.items():
+        if field not in manifest:
+            return f'it has no "{field}"'
+        if not _is(manifest[field], kind):
+            return f'its "{field}" is {json.dumps(manifest[field])[:40]}, not {wanted}'
+    for name, record in manifest["files"].items():
+        if Path(name).name != name or name in ("", ".", ".."):
+            return f"its file {name!r} is not a file name of the checkpoint directory"
+        if not (
+            isinstance(record, dict)
+            and _is(record.get("bytes"), int)
+            and isinstance(record.get("sha256"), str)
+        ):
+            return f'its entry for {name} is not {{"bytes": size, "sha256": checksum}}'
+    for name, info in manifest["tensors"].items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (
+            isinstance(shape, list)
+            and all(_is(n, int) for n in shape)
+            and isinstance(info.get("dtype"), str)
+        ):
+            return f'its entry for tensor {name} is not {{"shape": [...], "dtype": name}}'
+    return None
+
+
+def _is(value: Any, kind: type) -> bool:
+    """`isinstance`, except that JSON's true and false are no integers."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 def is_sharded(manifest: dict[str, Any]) -> bool:

@@ -6,27 +6,38 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint.atomic import sha256_file
-from dtrain.checkpoint.format import is_sharded, read_manifest
+from dtrain.checkpoint.dcp_io import INDEX
+from dtrain.checkpoint.format import MANIFEST, MODEL_FILE, TRAINER_FILE, is_sharded, read_manifest
 
 
 def verify(path: Path) -> list[str]:
-    """Problems found in the checkpoint at `path` (empty when every file is intact)."""
+    """Problems found in the checkpoint at `path` (empty when every file is intact); a
+    CheckpointError naming the manifest if that is damaged."""
     manifest = read_manifest(path)
-    problems = []
-    for name, expected in manifest.get("files", {}).items():
-        file = Path(path) / name
-        if not file.is_file():
-            problems.append(f"{name} is missing")
-            continue
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            problems.append(
-                f"{name} is truncated or altered: {size} bytes, "
-                f"the manifest says {expected['bytes']}"
-            )
-        elif sha256_file(file) != expected["sha256"]:
-            problems.append(f"{name} is corrupt: its SHA-256 differs from the manifest's")
+    files = manifest["files"]
+    needed = (INDEX if is_sharded(manifest) else MODEL_FILE, TRAINER_FILE)
+    problems = [f"{MANIFEST} lists no {name}" for name in needed if name not in files]
+    for name, expected in files.items():
+        problems += _file_problems(Path(path) / name, expected["bytes"], expected["sha256"])
     return problems
+
+
+def _file_problems(file: Path, expected_bytes: int, expected_sha256: str) -> list[str]:
+    """What differs between `file` and its manifest entry (empty when it matches)."""
+    if not file.is_file():
+        return [f"{file.name} is missing"]
+    try:
+        size = file.stat().st_size
+        if size != expected_bytes:
+            return [
+                f"{file.name} is truncated or altered: {size} bytes, "
+                f"the manifest says {expected_bytes}"
+            ]
+        if sha256_file(file) != expected_sha256:
+            return [f"{file.name} is corrupt: its SHA-256 differs from the manifest's"]
+    except OSError as e:
+        return [f"{file.name} cannot be read ({e.strerror or e})"]
+    return []
 
 
 def summary(path: Path) -> list[tuple[str, Any]]:

@@ -1,7 +1,8 @@
 """The first code each worker runs: executes the user's script or module (or, on a rank
 its strategy gives another role, such as a parameter server, that role's own main) and,
 if it raises, records the traceback (rank-tagged, user frames only) where the agent
-reads it.
+reads it. The file is written in one rename, and the launcher reads a damaged one as no
+report: a rank stopped while it writes must not take the launcher down with it.
 
     python -m dtrain.launch.bootstrap script PATH [ARGS...]
     python -m dtrain.launch.bootstrap module NAME [ARGS...]
@@ -9,15 +10,21 @@ reads it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed.elastic.multiprocessing.api as elastic_processes
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from dtrain.checkpoint.atomic import write_file
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.launch.lifeline import die_with_launcher
@@ -60,7 +67,8 @@ def describe(error: BaseException) -> tuple[str, str]:
 
 
 def record(error: BaseException) -> None:
-    """Write `error` to TORCHELASTIC_ERROR_FILE in the format the elastic agent reads."""
+    """Write `error` to TORCHELASTIC_ERROR_FILE in the format the elastic agent reads,
+    atomically: the agent stops the other ranks when one fails, maybe while they write."""
     message, stack = describe(error)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -76,7 +84,33 @@ def record(error: BaseException) -> None:
             "user_error": isinstance(error, DtrainError),
         },
     }
-    Path(path).write_text(json.dumps(data))
+    write_file(Path(path), json.dumps(data))
+
+
+@dataclass
+class _Failure(ProcessFailure):
+    """The agent's record of a failed rank, with a damaged error file read as no report
+    (torch raises, ending the launcher with restarts left): one left by a writer other
+    than `record`, such as torch's own ``@record`` in the user's script, stopped midway."""
+
+    def __post_init__(self) -> None:
+        try:
+            super().__post_init__()
+        except Exception:  # noqa: BLE001 - whatever is wrong with the file, it is no report
+            self.error_file = ""  # no such file: torch's own "no report" path
+            super().__post_init__()
+
+
+@contextlib.contextmanager
+def damaged_reports_ignored() -> Iterator[None]:
+    """While the agent runs in this process, it reads the workers' error files with
+    `_Failure` (torch's agent builds its failure records in this module)."""
+    saved = elastic_processes.ProcessFailure
+    elastic_processes.ProcessFailure = _Failure  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        elastic_processes.ProcessFailure = saved  # type: ignore[misc]
 
 
 def main(argv: list[str]) -> int:

@@ -343,7 +343,7 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     )
     command = ("-u", "-m", bootstrap.__name__, target.kind, target.name, *target.args)
     try:
-        with _quiet_agent(), _host_watched(config, rendezvous):
+        with _quiet_agent(), _host_watched(config, rendezvous), bootstrap.damaged_reports_ignored():
             elastic_launch(launch_config, sys.executable)(*command)
     except SignalException as e:
         raise Stopped(e.sigval) from None
