@@ -53,6 +53,8 @@ class Habit:
     rank_seed: bool = False  # torch.manual_seed(1337 + rank) before building the model
     double: bool = False  # model.double()
     noncontiguous: bool = False  # a parameter that is a transposed view
+    evaluate: bool = False  # engine.evaluate after the second step (eval mode and back)
+    bf16: bool = False  # --precision bf16-mixed (against single in bf16-mixed)
 
     @property
     def by_hand(self) -> bool:
@@ -78,6 +80,8 @@ HABITS: dict[str, Habit] = {
     "rank_seed": Habit(rank_seed=True),
     "double": Habit(double=True),
     "noncontiguous": Habit(noncontiguous=True),
+    "evaluate": Habit(evaluate=True),
+    "bf16": Habit(bf16=True),
 }
 
 
@@ -217,6 +221,8 @@ def _options(strategy: str, habit: Habit, extra: dict[str, Any]) -> dict[str, An
         options["compile_backend"] = "aot_eager"  # traced like inductor, not code-generated
     if not habit.rank_seed:
         options["seed"] = 0
+    if habit.bf16:
+        options["precision"] = "bf16-mixed"
     return options
 
 
@@ -274,6 +280,9 @@ def _train(engine: dtrain.Engine, habit: Habit) -> Any:
             optimizer.zero_grad()
         if schedule is not None:
             schedule.step()
+        if habit.evaluate and step == 1:
+            held_out = engine.dataloader(dataset(), batch_size=4, shuffle=False, drop_last=False)
+            engine.evaluate(held_out, loss_fn)
     del model, optimizer
     return engine.state_dict()
 

@@ -36,6 +36,7 @@ from dtrain.parallel.parallelize import Parallelized, microbatches, parallelize,
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
+from dtrain.parallel.unused import UnusedWatch
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.rebuild import group_names, repoint
@@ -60,9 +61,8 @@ class MeshStrategy(Strategy):
         self._whole: dict[str, torch.Size] = {}
         self._user: nn.Module | None = None
         self._model_class = ""
-        self._unused_watch: list[tuple[str, nn.Parameter]] = []
-        """DDP without find_unused_parameters: the trainable parameters, checked for a
-        gradient after each synchronising backward."""
+        self._unused: UnusedWatch | None = None
+        """DDP without find_unused_parameters: every synchronising backward is checked."""
         self._syncing = True
         self._context = contextlib.ExitStack()
         """Process-wide switches held while this strategy trains (released at close)."""
@@ -220,9 +220,7 @@ class MeshStrategy(Strategy):
             self._context.enter_context(implicit_replication())
         find_unused = self.config.find_unused_parameters
         if isinstance(self.model, DistributedDataParallel) and not find_unused:
-            self._unused_watch = [
-                (n, p) for n, p in self.parts.local.named_parameters() if p.requires_grad
-            ]
+            self._unused = UnusedWatch(self.parts.local, self.name)
         if self.pipeline is not None:
             for s, stage in sorted(self.pipeline.modules.items()):
                 LOGGER.info("pipeline stage %d: %s", s, ", ".join(stage.layer_names))
@@ -274,23 +272,8 @@ class MeshStrategy(Strategy):
                 "engine.train_step(batch, loss_fn) instead of engine.backward(loss)."
             )
         loss.backward()
-        if self._unused_watch and self._syncing:
-            self._check_all_used()
-
-    def _check_all_used(self) -> None:
-        """DDP reduces a bucket once all its parameters have their gradient: one without
-        (not used for this loss) leaves its bucket unreduced, the step wrong, and the next
-        forward failing. Refuse before the optimizer applies such a step."""
-        unused = [n for n, p in self._unused_watch if p.grad is None]
-        if unused:
-            raise SetupError(
-                f"Parameter(s) {', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''} "
-                f"got no gradient from this backward (they took no part in the loss), which "
-                f"strategy {self.name} cannot average without being told. Pass "
-                "--find-unused-parameters (dtrain.init(find_unused_parameters=True)) when some "
-                "parameters are skipped always or sometimes, or freeze the ones never used "
-                "(p.requires_grad_(False)) before engine.setup."
-            )
+        if self._unused is not None and self._syncing:
+            self._unused.check()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
