@@ -32,6 +32,12 @@ SAME_AS_SINGLE_WITH: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 
+BF16_CLOSE = {"rtol": 1e-2, "atol": 1e-3}
+"""bf16-mixed against `single` in bf16-mixed: a bf16 step rounds to about 4e-3 of a value,
+and FSDP2's policy casts the parameters where autocast casts the operations (1.2e-4 apart
+after 4 steps here); a layer that missed its 4 updates is 4e-3 to 2e-2 away."""
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
     """`single`'s parameters for every habit."""
@@ -49,7 +55,8 @@ def _check(strategy: str, results: dict[str, Any], reference: dict[str, Any]) ->
         expected = reference[name]
         if (strategy, name) in SAME_AS_SINGLE_WITH:
             expected = run_habit("single", name, extra=SAME_AS_SINGLE_WITH[strategy, name])
-        assert_close(params, expected, **CLOSE, msg=lambda m, n=name: f"{strategy}/{n}: {m}")
+        close = BF16_CLOSE if name == "bf16" else CLOSE
+        assert_close(params, expected, **close, msg=lambda m, n=name: f"{strategy}/{n}: {m}")
 
 
 @pytest.mark.timeout(300)
