@@ -25,6 +25,12 @@ from dtrain.names import (
 
 ENV_VAR = "DTRAIN_CONFIG"
 
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""The longest --timeout: a week of seconds, far below where torch's timers overflow."""
+
+PORTS = range(1, 65536)
+"""The TCP ports --master and --ssh-port may name."""
+
 
 def option(default: object, help: str, flag: str | None = None) -> object:
     """A dataclass field that is also a command-line flag (``--name`` unless `flag`)."""
@@ -251,7 +257,9 @@ class Config:
             raise ConfigError(
                 f"--grad-accumulation must be at least 1, got {self.grad_accumulation}."
             )
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be at least 1, got {self.nnodes}.")
+        if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank must lie in [0, --nnodes), got node rank {self.node_rank} "
                 f"of {self.nnodes} node(s)."
@@ -263,8 +271,17 @@ class Config:
             )
         if self.master is not None:
             host, _, port = self.master.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"--master must be HOST:PORT, got {self.master!r}.")
+            # port 0 stays allowed: -H's per-host configs leave the port to the launch
+            if not host or not (port.isascii() and port.isdigit()) or int(port) > PORTS[-1]:
+                raise ConfigError(
+                    f"--master must be HOST:PORT with a port from 1 to 65535, got "
+                    f"{self.master!r}; for example --master 10.0.0.1:29500."
+                )
+        if self.ssh_port not in PORTS:
+            raise ConfigError(
+                f"--ssh-port must be a port from 1 to 65535, got {self.ssh_port}; sshd listens "
+                "on 22 unless its configuration says otherwise."
+            )
         if self.hosts and self.hostfile:
             raise ConfigError(
                 "Give the hosts either with -H or with --hostfile, not both; drop one of them."
@@ -298,8 +315,11 @@ class Config:
             raise ConfigError(
                 f"Unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}."
             )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout must be positive, got {self.timeout_s}.")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # false for nan too
+            raise ConfigError(
+                f"--timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S} "
+                f"(a week), got {self.timeout_s:g}; the default is 600."
+            )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ConfigError(
                 f"--seed must lie in [0, 2**64), the seeds torch accepts, got {self.seed}; "
@@ -313,6 +333,7 @@ class Config:
                 "as 1.0, or drop the flag to train without clipping."
             )
         step_window(self.trace_steps)
+        self._validate_output_names()
         unknown = sorted(set(self.logger or ()) - set(LOGGERS))
         if unknown:
             raise ConfigError(
@@ -352,6 +373,20 @@ class Config:
             )
         self._validate_ps()
         self._validate_model_parallel()
+
+    def _validate_output_names(self) -> None:
+        """An empty path would quietly fall back to the default (--out) or to the current
+        directory; refuse it by name."""
+        for flag, value, example in (
+            ("--out", self.out, "runs/exp1"),
+            ("--metrics-json", self.metrics_json, "runs/exp1/metrics.json"),
+            ("--trace", self.trace, "runs/exp1/trace.json"),
+        ):
+            if value is not None and not value.strip():
+                raise ConfigError(
+                    f"{flag} names no path (it is {value!r}); give one such as {example}, or "
+                    f"drop {flag}."
+                )
 
     def _validate_ps(self) -> None:
         if self.strategy != "ps":

@@ -7,7 +7,9 @@ use too; the defaults left as None are the model's own, filled in by `demo.compl
 from __future__ import annotations
 
 import argparse
+import math
 
+from dtrain.errors import ConfigError
 from dtrain.names import GPT_SIZES, LR_RULES, MODELS, OPTIMIZERS
 
 
@@ -85,3 +87,42 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Start afresh in an --out that holds an earlier run's checkpoints, deleting them.",
     )
+
+
+COUNTS = (
+    ("epochs", "the number of passes over the training set"),
+    ("steps", "the optimizer step to stop at"),
+    ("global_batch_size", "the samples of one step"),
+    ("ref_batch_size", "the batch --lr was tuned at"),
+    ("checkpoint_every", "the steps between checkpoints"),
+)
+"""TRAINING flags that count something, with what they count: each is at least 1."""
+
+AMOUNTS = (("lr", "a rate such as 0.1"), ("warmup_epochs", "0 for no warmup"))
+"""TRAINING flags that take a finite number >= 0, with an example."""
+
+
+def check_training_args(args: argparse.Namespace) -> None:
+    """Refuse a TRAINING flag value that cannot work, naming its allowed range; unset
+    flags (None: the model's default) pass. The launcher calls this before any process
+    starts, for values from the command line and from --config alike."""
+    for name, meaning in COUNTS:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = _flag(name)
+            raise ConfigError(
+                f"{flag} must be at least 1, got {value}; give {meaning}, or drop {flag} for "
+                "its default."
+            )
+    for name, example in AMOUNTS:
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            flag = _flag(name)
+            raise ConfigError(
+                f"{flag} must be a finite number >= 0, got {value}; use {example}, or drop "
+                f"{flag} for its default."
+            )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -15,6 +15,7 @@ failed instead of waiting without a word.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import os
@@ -170,6 +171,30 @@ def is_local(address: str) -> bool:
         except OSError:
             return False
         return True
+
+
+def check_port_free(port: int) -> None:
+    """Raise ConfigError if node 0 could not listen on `port`: a live listener holds it, or
+    it is a privileged port. The probe binds and listens with SO_REUSEADDR, as the
+    rendezvous's own listener does, so the TIME-WAIT sockets that a job restarted on the
+    same port leaves behind for a minute do not count as in use."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+            s.listen()
+        except OSError as e:
+            if e.errno == errno.EACCES:
+                raise ConfigError(
+                    f"Port {port} is reserved for the superuser on this machine, so node 0 "
+                    "cannot host the rendezvous there; pick a port from 1024 to 65535 in "
+                    "--master HOST:PORT (the same on every node)."
+                ) from None
+            raise ConfigError(
+                f"Port {port} is already in use on this machine (a program listens on it), "
+                "so node 0 cannot host the rendezvous there; pick a free port in --master "
+                "HOST:PORT (the same on every node), or stop that program."
+            ) from None
 
 
 def locate(config: Config, wait: bool) -> Rendezvous:
