@@ -178,7 +178,7 @@ def _rendezvous(config: Config) -> dict[str, object]:
     run_id = f"dtrain-{host}-{port}"
     if config.min_nnodes is None:
         if hosting:
-            check_port_free(port)
+            addressing.check_port_free(port)
         return {
             "rdzv_backend": "static",
             "rdzv_endpoint": where.endpoint,
@@ -224,7 +224,7 @@ def _hosts_elastic_rendezvous(config: Config) -> bool | None:
     if not addressing.is_local(address):
         return False
     try:
-        check_port_free(port)
+        addressing.check_port_free(port)
     except ConfigError:
         return False
     return True
@@ -235,19 +235,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def check_port_free(port: int) -> None:
-    """Raise ConfigError if `port` cannot be bound on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            raise ConfigError(
-                f"Port {port} is already in use on this machine, so node 0 cannot host the "
-                "rendezvous there; pick a free port in --master HOST:PORT (the same on every "
-                "node)."
-            ) from None
 
 
 def _announce_restarts(record: logging.LogRecord) -> bool:
