@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from dtrain.horovod import basics
+from dtrain.horovod import basics, process_sets
+from dtrain.horovod.allreduce import needs_grad
 from dtrain.horovod.allreduce import start as start_allreduce
 from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
@@ -43,26 +44,29 @@ def start(
 
 
 class _Allgather(torch.autograd.Function):
-    """All-gather whose gradient is this process's slice of the averaged incoming
-    gradient, as in Horovod."""
+    """All-gather of one or more tensors whose gradients are this process's rows of the
+    averaged incoming gradients, as in Horovod."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps):  # type: ignore[override]
-        gathered, rows = start([tensor], "allgather", name, ps).wait()
-        ctx.rows, ctx.ps = rows[0], ps
-        return gathered[0]
+    def forward(ctx: Any, name: str | None, ps, prefix: str, *tensors: torch.Tensor):  # type: ignore[override]
+        gathered, rows = start(list(tensors), prefix, name, ps, prefix).wait()
+        ctx.rows, ctx.ps, ctx.prefix = rows, ps, prefix
+        return tuple(gathered)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        operation = start_allreduce(
-            [grad.detach().clone()], ReduceOp.Average, 1.0, 1.0, "allgather", None, ctx.ps
-        )
-        members = (
-            list(range(basics.size())) if ctx.ps in (None, global_process_set) else ctx.ps.ranks
-        )
-        me = members.index(basics.rank())
-        offset = sum(ctx.rows[:me])
-        return operation.wait()[0].narrow(0, offset, ctx.rows[me]), None, None
+    def backward(ctx: Any, *grads: torch.Tensor):  # type: ignore[override]
+        # The all-reduce is grouped as the gather was, so a grouped gather's gradients
+        # take one negotiated operation, named as Horovod's backward names it.
+        prefix = "allreduce" if ctx.prefix == "allgather" else "grouped_allreduce"
+        fresh = [g.detach().clone() for g in grads]
+        average = ReduceOp.Average
+        reduced = start_allreduce(fresh, average, 1.0, 1.0, ctx.prefix, None, ctx.ps, prefix)
+        me = process_sets.members(ctx.ps, ctx.prefix).index(basics.rank())
+        mine = [
+            g.narrow(0, sum(rows[:me]), rows[me])
+            for g, rows in zip(reduced.wait(), ctx.rows, strict=True)
+        ]
+        return None, None, None, *mine
 
 
 def allgather(
@@ -72,8 +76,8 @@ def allgather(
     first dimension may differ per process; the others and the dtype must agree).
     Differentiable."""
     basics.context("allgather")
-    if torch.is_grad_enabled() and tensor.requires_grad:
-        return _Allgather.apply(tensor, name, process_set)
+    if needs_grad([tensor]):
+        return _Allgather.apply(name, process_set, "allgather", tensor)[0]
     return start([tensor], "allgather", name, process_set).wait()[0][0]
 
 
@@ -90,13 +94,14 @@ def grouped_allgather(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    """`allgather` of each of `tensors`, negotiated as one operation."""
+    """`allgather` of each of `tensors`, negotiated as one operation. Differentiable."""
     basics.context("grouped_allgather")
     if not tensors:
         return []
-    return start(list(tensors), "grouped_allgather", name, process_set, "grouped_allgather").wait()[
-        0
-    ]
+    if needs_grad(tensors):
+        return list(_Allgather.apply(name, process_set, "grouped_allgather", *tensors))
+    what = "grouped_allgather"
+    return start(list(tensors), what, name, process_set, what).wait()[0]
 
 
 def grouped_allgather_async(

@@ -94,7 +94,9 @@ class _GroupedAllreduce(torch.autograd.Function):
         return (None, None, None, None, None, *operation.wait())
 
 
-def _needs_grad(tensors: Sequence[torch.Tensor]) -> bool:
+def needs_grad(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if autograd records an operation on `tensors` (one of them requires a
+    gradient, outside no_grad)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -114,7 +116,7 @@ def allreduce(
     basics.context("allreduce")
     chosen = resolve(op, average)
     compressed, cctx = compression.compress(tensor)
-    if _needs_grad([compressed]):
+    if needs_grad([compressed]):
         reduced = _Allreduce.apply(
             compressed, chosen, prescale_factor, postscale_factor, name, process_set
         )
@@ -199,7 +201,7 @@ def grouped_allreduce(
         return []
     pairs = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
-    if _needs_grad(compressed):
+    if needs_grad(compressed):
         reduced = list(
             _GroupedAllreduce.apply(
                 chosen, prescale_factor, postscale_factor, name, process_set, *compressed

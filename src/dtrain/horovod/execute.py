@@ -41,14 +41,26 @@ def slice_rows(rows: int, size: int) -> list[int]:
     return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
 
 
+WIRE_DTYPES = {torch.int16: torch.int32}
+"""dtypes neither gloo nor NCCL carry, and the wider one they travel as: every value fits,
+and a sum cast back wraps exactly as an int16 sum does. Results come back in the caller's
+dtype."""
+
+
 def stage(tensor: torch.Tensor, devices: dict[str, str]) -> torch.Tensor:
     """`tensor` itself if the process group can send it as it is, else a contiguous copy on
-    a device the group handles (a CPU tensor under an NCCL-only group goes to the GPU)."""
+    a device the group handles (a CPU tensor under an NCCL-only group goes to the GPU), in
+    a dtype it carries (see `WIRE_DTYPES`)."""
+    dtype = WIRE_DTYPES.get(tensor.dtype, tensor.dtype)
     if tensor.device.type in devices:
-        return tensor if tensor.is_contiguous() else tensor.contiguous()
-    if "cpu" in devices:
-        return tensor.to("cpu", copy=True).contiguous()
-    return tensor.to(torch.device("cuda", torch.cuda.current_device()), copy=True).contiguous()
+        device = tensor.device
+        if dtype == tensor.dtype:
+            return tensor if tensor.is_contiguous() else tensor.contiguous()
+    elif "cpu" in devices:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return tensor.to(device, dtype, copy=True).contiguous()
 
 
 class Executor:
@@ -183,7 +195,7 @@ class Executor:
 
         def finish() -> tuple[list[torch.Tensor], list[list[int]]]:
             gathered = [
-                torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]).to(t.device)
+                torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]).to(t.device, t.dtype)
                 for t, parts, counts in pending
             ]
             return gathered, [counts for _, _, counts in pending]
@@ -222,7 +234,7 @@ class Executor:
                 group=self.group_of(response.ranks),
                 async_op=True,
             )
-        operation.start([work], lambda: (out.to(tensor.device), received))
+        operation.start([work], lambda: (out.to(tensor.device, tensor.dtype), received))
 
     def _reducescatter(self, response: Response, operation: Operation) -> None:
         t = response.template
@@ -248,7 +260,9 @@ class Executor:
 
         def finish() -> list[torch.Tensor]:
             with torch.no_grad():
-                return [scale_(out, factor).to(tensor.device) for tensor, out in pending]
+                return [
+                    scale_(out, factor).to(tensor.device, tensor.dtype) for tensor, out in pending
+                ]
 
         operation.start(works, finish)
 

@@ -136,7 +136,42 @@ def _local_device(device_type: str) -> torch.device:
     return torch.device("cpu")
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
+    """ids of the parameters of `model`'s sparse embeddings (their gradients are sparse)."""
+    if model is None:
+        return set()
+    return {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and m.sparse
+        for p in m.parameters()
+    }
+
+
+def _zero_missing_gradients(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
+) -> None:
+    """Give every parameter of an optimizer without state that requires a gradient and has
+    none a zero one (sparse for `SparseAdam` and for `model`'s sparse embeddings under SGD),
+    as Horovod leaves them. Horovod then steps on them to create the state; no step is
+    taken here (see `broadcast_optimizer_state`)."""
+    if optimizer.state:
+        return
+    sparse = _sparse_parameters(model)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad or p.grad is not None:
+                continue
+            grad = torch.zeros_like(p)
+            sparse_grad = isinstance(optimizer, torch.optim.SparseAdam) or (
+                isinstance(optimizer, torch.optim.SGD) and id(p) in sparse
+            )
+            p.grad = grad.to_sparse() if sparse_grad else grad
+
+
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None
+) -> None:
     """Give every process `root_rank`'s optimizer state and hyperparameters (learning
     rate, momentum, ... of every parameter group).
 
@@ -145,6 +180,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     fused broadcasts, and the others load the result with ``load_state_dict``. No
     optimizer step is taken and no parameter changes; an optimizer that has not stepped
     yet on root leaves every process with a fresh one carrying root's hyperparameters.
+    Horovod instead steps a fresh optimizer on zero gradients, which applies weight decay
+    and counts a step for Adam, so the model would no longer equal one trained by one
+    process; the zero gradients it leaves are left here too, on the parameters that
+    require one and have none (`model`, if given, marks its sparse embeddings, whose zero
+    gradients are sparse, as Horovod's `model` argument does).
     """
     ctx = basics.context("broadcast_optimizer_state")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -152,6 +192,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
             f"hvd.broadcast_optimizer_state takes a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}; pass the optimizer itself."
         )
+    _zero_missing_gradients(optimizer, model)
     mine = optimizer.state_dict()
     layout = (
         (_describe_state(mine["state"]), mine["param_groups"]) if ctx.rank == root_rank else None

@@ -71,7 +71,8 @@ global_process_set.process_set_id = 0
 
 
 class Registry:
-    """The sets registered in this session: id -> ranks, ranks -> data process group."""
+    """The sets registered in this session: id -> ranks, ranks -> data process group, id ->
+    the `ProcessSet` object (unregistered again at shutdown)."""
 
     def __init__(self, rank: int, size: int, data_group: dist.ProcessGroup, dynamic: bool) -> None:
         self.rank, self.size = rank, size
@@ -79,6 +80,7 @@ class Registry:
         everyone = tuple(range(size))
         self.ranks: dict[int, tuple[int, ...]] = {0: everyone}
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {everyone: data_group}
+        self.registered: dict[int, ProcessSet] = {}
         self._next_id = 1
 
     def group_of(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
@@ -100,6 +102,7 @@ class Registry:
         self.groups[members] = dist.new_group(list(members))
         process_set.process_set_id = self._next_id
         self.ranks[self._next_id] = members
+        self.registered[self._next_id] = process_set
         self._next_id += 1
         return True
 
@@ -112,15 +115,20 @@ class Registry:
         group = self.groups.pop(members)
         if self.rank in members and dist.is_initialized():
             dist.destroy_process_group(group)
+        self.registered.pop(ident).process_set_id = None
         process_set.process_set_id = None
         return True
 
     def destroy(self) -> None:
-        """Destroy every group this registry created (at `hvd.shutdown`)."""
+        """Destroy every group this registry created (at `hvd.shutdown`) and unregister its
+        sets: after a new `hvd.init` they are registered again, or refused by name."""
         for members, group in self.groups.items():
             if self.rank in members and dist.is_initialized():
                 dist.destroy_process_group(group)
         self.groups.clear()
+        for process_set in self.registered.values():
+            process_set.process_set_id = None
+        self.registered.clear()
 
 
 def setup(registry: Registry, process_sets: Sequence[ProcessSet]) -> None:

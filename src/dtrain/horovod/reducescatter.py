@@ -7,10 +7,13 @@ Horovod."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from dtrain.horovod import basics
+from dtrain.horovod import basics, process_sets
+from dtrain.horovod.allgather import start as start_allgather
+from dtrain.horovod.allreduce import needs_grad
 from dtrain.horovod.compression import Compression, Compressor
 from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
@@ -61,6 +64,48 @@ def start(
     )
 
 
+class _Reducescatter(torch.autograd.Function):
+    """Reduce-scatter of one or more tensors whose gradients are the all-gather of the
+    incoming gradients, scaled as the forward scaled (and by the set's size for `Sum`), as
+    in Horovod."""
+
+    @staticmethod
+    def forward(ctx: Any, op: ReduceOp, pre: float, post: float, name, ps, what, *tensors):  # type: ignore[override]
+        ctx.args = (op, pre, post, ps, what)
+        return tuple(start(list(tensors), op, pre, post, what, name, ps).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):  # type: ignore[override]
+        op, pre, post, ps, what = ctx.args
+        factor = pre * post
+        if op is ReduceOp.Sum:
+            factor *= len(process_sets.members(ps, what))
+        scaled = [g * factor if factor != 1 else g for g in grads]
+        prefix = "allgather" if what == "reducescatter" else "grouped_allgather"
+        gathered = start_allgather(scaled, what, None, ps, prefix).wait()[0]
+        return None, None, None, None, None, None, *gathered
+
+
+def _apply(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp,
+    prescale_factor: float,
+    postscale_factor: float,
+    what: str,
+    name: str | None,
+    process_set: ProcessSet,
+) -> list[torch.Tensor]:
+    """This process's slices of `tensors`, reduced; recorded by autograd when one of them
+    requires a gradient."""
+    if needs_grad(tensors):
+        return list(
+            _Reducescatter.apply(
+                op, prescale_factor, postscale_factor, name, process_set, what, *tensors
+            )
+        )
+    return start(tensors, op, prescale_factor, postscale_factor, what, name, process_set).wait()
+
+
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -70,13 +115,14 @@ def reducescatter(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
-    """This process's slice of `tensor` reduced over every process (op Average or Sum)."""
+    """This process's slice of `tensor` reduced over every process (op Average or Sum).
+    Differentiable."""
     chosen = _op(op, "reducescatter")
     compressed, cctx = compression.compress(tensor)
-    operation = start(
+    reduced = _apply(
         [compressed], chosen, prescale_factor, postscale_factor, "reducescatter", name, process_set
     )
-    return compression.decompress(operation.wait()[0], cctx)
+    return compression.decompress(reduced[0], cctx)
 
 
 def reducescatter_async(
@@ -103,10 +149,11 @@ def grouped_reducescatter(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
-    """`reducescatter` of each of `tensors`; returns this process's slices."""
+    """`reducescatter` of each of `tensors`; returns this process's slices.
+    Differentiable."""
     chosen = _op(op, "grouped_reducescatter")
     pairs = [compression.compress(t) for t in tensors]
-    operation = start(
+    reduced = _apply(
         [c for c, _ in pairs],
         chosen,
         prescale_factor,
@@ -115,7 +162,6 @@ def grouped_reducescatter(
         name,
         process_set,
     )
-    reduced = operation.wait()
     return [compression.decompress(r, c) for r, (_, c) in zip(reduced, pairs, strict=True)]
 
 

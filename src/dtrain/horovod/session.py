@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -38,6 +39,28 @@ STALL_OFF_VAR = "HOROVOD_STALL_CHECK_DISABLE"
 STALL_FAIL_VAR = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 _EXIT_HOOKED = False
+
+
+@dataclass
+class _Rendezvous:
+    """Where this process's groups meet: the store of the first group `init` formed, kept
+    for the life of the process (rank 0 serves it) so that an `init` after `shutdown`
+    meets the others there again.
+
+    Attributes:
+        job: (MASTER_ADDR, MASTER_PORT, rank, size) the store was formed for; an `init`
+            under other variables forms a group of its own afresh.
+        store: the job's store.
+        groups: the groups formed in it so far (every process of the job forms as many,
+            as Horovod's init and shutdown are called alike everywhere).
+    """
+
+    job: tuple[str, str, int, int]
+    store: dist.Store
+    groups: int = 1
+
+
+_RENDEZVOUS: _Rendezvous | None = None
 
 
 def init(comm: object = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
@@ -79,6 +102,7 @@ def init(comm: object = None, process_sets: Sequence[ProcessSet] | str | None = 
 
 
 def _start_group(rank: int, size: int, config: Config) -> None:
+    global _RENDEZVOUS
     if size > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
         raise HorovodUsageError(
             f"This process is rank {rank} of {size}, but no rendezvous address is set "
@@ -90,6 +114,10 @@ def _start_group(rank: int, size: int, config: Config) -> None:
             f"The environment gives rank {rank} for a job of {size} process(es); start the "
             "script with horovodrun, which sets both."
         )
+    job = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank, size)
+    if _RENDEZVOUS is not None and _RENDEZVOUS.job == job:
+        _form_again(_RENDEZVOUS, config)
+        return
     local_rank, local_size, _, _ = basics.placement(rank, size)
     # Horovod scripts pin their GPU themselves (torch.cuda.set_device(hvd.local_rank()))
     # after init, so the group is created lazily for CUDA: no device is bound here.
@@ -97,6 +125,25 @@ def _start_group(rank: int, size: int, config: Config) -> None:
         rank, size, local_rank, local_size, torch.device("cpu"), basics.backend(config)
     )
     init_process_group(topology, basics.timeout_s(config))
+    _RENDEZVOUS = _Rendezvous(job, dist.distributed_c10d._get_default_store())
+
+
+def _form_again(rendezvous: _Rendezvous, config: Config) -> None:
+    """Form the job's group again after `shutdown`, in the store the first group met in,
+    under a prefix of this group's own. A fresh store on the same port would not do: a
+    rank that got there before rank 0 closed the old one would read the last group's
+    keys, and the closed addresses they hold (the connection is refused, and every rank
+    then waits in the rendezvous)."""
+    _, _, rank, size = rendezvous.job
+    store = dist.PrefixStore(f"dtrain/horovod/group-{rendezvous.groups}", rendezvous.store)
+    rendezvous.groups += 1
+    dist.init_process_group(
+        basics.backend(config),
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=basics.timeout_s(config)),
+    )
 
 
 def _env_number(name: str, default: float, example: str) -> float:
