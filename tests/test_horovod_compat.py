@@ -48,6 +48,9 @@ def _one_cycle(
     assert added.process_set_id == 2
     if r == 0:
         assert hvd.allreduce(torch.tensor([3.0]), process_set=added).item() == 3.0
+    # As Horovod's own tests end each test: every process done before any shuts down (a
+    # shutdown while another process's operation runs refuses that operation).
+    hvd.barrier()
     if r == cycle % 2:
         # The other rank shuts down and forms the next group first: rank 1 then meets
         # rank 0's store while rank 0 still holds the last group's.
