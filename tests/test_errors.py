@@ -107,3 +107,11 @@ def test_an_old_torch_is_refused_with_the_fix() -> None:
     check_torch("3.0.0")
     with pytest.raises(ImportError, match=r"needs PyTorch 2\.13 or newer, but torch 2\.4\.1"):
         check_torch("2.4.1")
+
+
+def test_an_old_torch_can_be_allowed_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtrain.requirements import check_torch
+
+    monkeypatch.setenv("DTRAIN_ALLOW_OLD_TORCH", "1")
+    with pytest.warns(UserWarning, match="Going on: DTRAIN_ALLOW_OLD_TORCH=1"):
+        check_torch("2.11.0+cu130")
