@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -66,12 +67,19 @@ def timed_with_cpu(
     it = iter(batches)
     for _ in range(warmup):
         step(next(it))
-    dist.barrier()
+    _settle()
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step(next(it))
-    dist.barrier()
+    _settle()
     return time.perf_counter() - start, time.process_time() - cpu
+
+
+def _settle() -> None:
+    """Wait for every rank, and on a GPU for the work queued on it, before a clock read."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dist.barrier()
 
 
 def alternate(repeats: int, peer: Callable[[], R], ours: Callable[[], R]) -> list[tuple[R, R]]:
