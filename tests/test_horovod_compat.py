@@ -1,13 +1,16 @@
 """What Horovod's own PyTorch tests expect of `horovod.torch` beyond the documented calls
 (test_horovod_ops.py covers those): init and shutdown again and again in one process,
 int16 tensors in every collective, gradients through reduce-scatter and grouped
-all-gather, and the zero gradients `broadcast_optimizer_state` leaves on a fresh
-optimizer's parameters. Two gloo ranks, in two spawns."""
+all-gather, the zero gradients `broadcast_optimizer_state` leaves on a fresh
+optimizer's parameters, and the optimizer's surface Horovod's tests read (a process set
+the process is not in, `_parameter_names`, the warning text, object gathers named after
+the type). Two gloo ranks, in two spawns."""
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -186,13 +189,59 @@ def _check_fresh_optimizer_state(r: int) -> None:
     assert table.weight.grad.is_sparse and table.weight.grad.to_dense().abs().sum() == 0
 
 
+def _check_optimizer_surface(r: int, even: hvd.ProcessSet) -> None:
+    # Outside its process set (rank 1 here) the optimizer steps on local gradients.
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.constant_(model.weight, 1.0)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    optimizer = hvd.DistributedOptimizer(sgd, process_set=even)
+    model(torch.full((1, 2), float(r + 1))).sum().backward()
+    optimizer.step()
+    assert_close(model.weight.detach(), torch.full((1, 2), -float(r)))
+    # Horovod's attribute: each parameter's name, unique, the same on every process.
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    groups = [{"params": net[0].parameters()}, {"params": net[1].parameters()}]
+    named = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    names = set(named._parameter_names.values())
+    assert len(names) == 4
+    assert hvd.allgather_object(names) == [names, names]
+    # step() after synchronize() outside skip_synchronize() warns in Horovod's words.
+    net(torch.ones(1, 3)).sum().backward()
+    named.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        named.step()
+    assert len(caught) == 1
+    assert "optimizer.step() called without optimizer.skip_synchronize()" in str(caught[0].message)
+    # An all-gather refused on one process only (the other has joined) does not shift
+    # the name of the next unnamed object gather: it is named after the object's type.
+    if r == 0:
+        with pytest.raises(RuntimeError):
+            hvd.allgather(torch.ones(2))
+    hvd.join()
+    assert hvd.allgather_object(r) == [0, 1]
+    # A sparse all-reduce gathers indices and values; its sum (or average) is the dense one.
+    dense = torch.zeros(5, 3)
+    dense[r + 1] = float(r + 1)
+    dense[4, r] = 2.0
+    summed = hvd.sparse_allreduce_async(dense.to_sparse(), name="sp", op=hvd.Sum)()
+    assert summed.is_sparse
+    assert_close(summed.to_dense(), hvd.allreduce(dense, op=hvd.Sum))
+    averaged = hvd.sparse_allreduce_async(dense.to_sparse(), name="sp.avg")()
+    assert_close(averaged.to_dense(), hvd.allreduce(dense))
+    with pytest.raises(HorovodUsageError, match="takes a sparse tensor"):
+        hvd.sparse_allreduce_async(dense, name="dense")
+
+
 def _ops_and_gradients() -> bool:
     torch.set_num_threads(1)
-    hvd.init()
+    even = hvd.ProcessSet([0])
+    hvd.init(process_sets=[even])
     r = hvd.rank()
     _check_int16(r)
     _check_gradients(r)
     _check_fresh_optimizer_state(r)
+    _check_optimizer_surface(r, even)
     hvd.shutdown()
     return True
 

@@ -15,6 +15,7 @@ from dtrain.horovod.allgather import (
     allgather_async,
     grouped_allgather,
     grouped_allgather_async,
+    sparse_allreduce_async,
 )
 from dtrain.horovod.allreduce import (
     allreduce,
@@ -144,6 +145,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

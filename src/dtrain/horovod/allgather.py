@@ -1,6 +1,7 @@
 """All-gather, Horovod's way: every process's tensor concatenated along the first
 dimension, which may differ from process to process (`allgather`, `allgather_async`,
-`grouped_allgather`, `grouped_allgather_async`).
+`grouped_allgather`, `grouped_allgather_async`), and the sparse all-reduce built on it
+(`sparse_allreduce_async`: indices and values gathered, not summed densely).
 
 The negotiation carries every process's shapes, so the sizes are known when the gather
 starts (mismatched dtypes or trailing dimensions are reported by every process instead);
@@ -9,7 +10,7 @@ each tensor is padded to the largest first dimension, gathered, and the padding 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
 from dtrain.horovod.handles import Handle, submit
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
-from dtrain.horovod.reduction import ReduceOp
+from dtrain.horovod.reduction import ReduceOp, resolve
 from dtrain.horovod.requests import ALLGATHER
 
 
@@ -113,3 +114,47 @@ def grouped_allgather_async(
     what = "grouped_allgather_async"
     operation = start(list(tensors), what, name, process_set, "grouped_allgather")
     return Handle([operation], lambda: operation.wait()[0], what, name)
+
+
+def start_sparse(
+    tensor: torch.Tensor, op: ReduceOp, what: str, name: str | None, process_set: ProcessSet
+) -> Handle:
+    """Queue the all-reduce of a sparse `tensor` as Horovod does it: every member's indices
+    and values gathered; the result (coalesced, divided by the members for Average) is the
+    sum of the members' tensors."""
+    coalesced = tensor.coalesce()
+    indices = coalesced.indices().t().contiguous()
+    operation = start([indices, coalesced.values()], what, name, process_set)
+    size = len(process_sets.members(process_set, what))
+
+    def finish() -> torch.Tensor:
+        (all_indices, values), _ = operation.wait()
+        if op is ReduceOp.Average:
+            values = values / size
+        return torch.sparse_coo_tensor(all_indices.t(), values, tensor.shape).coalesce()
+
+    return Handle([operation], finish, what, name)
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp = ReduceOp.Average,
+    process_set: ProcessSet = global_process_set,
+) -> Callable[[], torch.Tensor]:
+    """Start the all-reduce of the sparse `tensor` (op: hvd.Average or hvd.Sum) over the
+    members of `process_set`; return a function that waits for it and returns the reduced
+    sparse tensor (Horovod's handle for this call is such a function)."""
+    basics.context("sparse_allreduce_async")
+    if not tensor.is_sparse:
+        raise HorovodUsageError(
+            "hvd.sparse_allreduce_async takes a sparse tensor; pass tensor.to_sparse(), or use "
+            "hvd.allreduce_async for a dense one."
+        )
+    chosen = resolve(op)
+    if chosen not in (ReduceOp.Average, ReduceOp.Sum):
+        raise HorovodUsageError(
+            f"hvd.sparse_allreduce_async reduces with hvd.Average or hvd.Sum, got "
+            f"hvd.{chosen.name}; pass one of those."
+        )
+    return start_sparse(tensor, chosen, "sparse_allreduce_async", name, process_set).wait

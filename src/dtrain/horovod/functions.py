@@ -103,9 +103,13 @@ def broadcast_object(
 def allgather_object(
     obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> list[Any]:
-    """Every member's `obj`, in rank order (each pickled where it lives)."""
+    """Every member's `obj`, in rank order (each pickled where it lives). Unnamed, the
+    gather is named after the object's type, as in Horovod: the same name on every
+    process whatever operations each ran before (an automatic counter would drift on a
+    process whose earlier operation was refused)."""
     basics.context("allgather_object")
     payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
+    name = name or f"allgather_object.{type(obj).__name__}"
     gathered, rows = start_allgather([payload], "allgather_object", name, process_set).wait()
     gathered = gathered[0]
     objects, offset = [], 0

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dtrain.horovod import basics
-from dtrain.horovod.allgather import start as start_allgather
+from dtrain.horovod.allgather import start_sparse
 from dtrain.horovod.allreduce import start
 from dtrain.horovod.compression import Compressor
 from dtrain.horovod.engine import Operation
@@ -40,6 +40,7 @@ class GradientReducer:
         compression, op, predivide, sparse_as_dense, process_set: as DistributedOptimizer.
         passes: backward passes accumulated locally before each all-reduce.
         groups: fusion groups (a count, or lists of parameters), or None.
+        included: whether this process is in `process_set` (outside it nothing is reduced).
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class GradientReducer:
         process_set: ProcessSet,
         passes: int,
         groups: int | Sequence[Sequence[torch.Tensor]] | None,
+        included: bool = True,
     ) -> None:
         self.names = _names(named_parameters, params)
         self.compression, self.op, self.predivide = compression, op, predivide
@@ -64,8 +66,9 @@ class GradientReducer:
         self.group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         self.ready: dict[tuple[torch.Tensor, ...], int] = {}
         self.hooks: list[Any] = []
-        # As in Horovod, one process needs no hooks: there is nothing to reduce.
-        self.reduces = basics.size() > 1
+        # As in Horovod, one process needs no hooks (there is nothing to reduce), and a
+        # process outside the set keeps its own gradients.
+        self.reduces = included and basics.size() > 1
         self.track(params)
         if groups is not None:
             for group in _groups(groups, self.params):
@@ -128,19 +131,7 @@ class GradientReducer:
         return start([compressed], self.op, pre, post, WHAT, name, self.process_set), ctx
 
     def _launch_sparse(self, p: torch.Tensor) -> Handle:
-        grad = p.grad.coalesce()
-        indices = grad.indices().t().contiguous()
-        name = self.names[p]
-        operation = start_allgather([indices, grad.values()], WHAT, name, self.process_set)
-        size = len(self.process_set.ranks) if self.process_set.ranks else basics.size()
-
-        def finish() -> torch.Tensor:
-            (all_indices, values), _ = operation.wait()
-            if self.op is ReduceOp.Average:
-                values = values / size
-            return torch.sparse_coo_tensor(all_indices.t(), values, grad.shape).coalesce()
-
-        return Handle([operation], finish, WHAT, name)
+        return start_sparse(p.grad, self.op, WHAT, self.names[p], self.process_set)
 
     def _launch_group(self, group: tuple[torch.Tensor, ...]) -> tuple[Operation, Any]:
         for p in group:

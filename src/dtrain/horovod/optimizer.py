@@ -40,6 +40,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_should_synchronize = True
 
     @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Each parameter's name, by parameter: the attribute Horovod's optimizer keeps
+        (scripts read it to match parameters across processes)."""
+        return self._hvd.names
+
+    @property
     def backward_passes_per_step(self) -> int:
         """Backward passes accumulated locally before each all-reduce."""
         return self._hvd.passes
@@ -75,10 +81,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Synchronize the gradients (unless inside `skip_synchronize()`), then update."""
         if self._hvd_should_synchronize:
             if self._hvd_synchronized:
+                # Horovod's words (scripts and tests match them), then what to do.
                 warnings.warn(
-                    "optimizer.step() was called after optimizer.synchronize() outside "
-                    "`with optimizer.skip_synchronize():`, so the gradients are reduced a "
-                    "second time; wrap the step in that block.",
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(), so the gradients are reduced a second "
+                    "time; wrap the step in `with optimizer.skip_synchronize():`.",
                     stacklevel=2,
                 )
             self.synchronize()
@@ -151,11 +158,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             parameters (one fused all-reduce per list once all its gradients are ready).
         sparse_as_dense: all-reduce sparse gradients as dense tensors instead of
             all-gathering their indices and values.
-        process_set: the processes whose gradients are averaged (default: all); only
-            its members may build this optimizer.
+        process_set: the processes whose gradients are averaged (default: all); on a
+            process outside it, as in Horovod, the optimizer steps on local gradients.
     """
     basics.context("DistributedOptimizer")
-    process_sets.members(process_set, "DistributedOptimizer")
+    ranks = process_sets.registered(process_set, "DistributedOptimizer")
     chosen = resolve(op)
     if chosen not in (ReduceOp.Average, ReduceOp.Sum):
         raise HorovodUsageError(
@@ -205,6 +212,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         process_set,
         backward_passes_per_step,
         groups,
+        included=basics.rank() in ranks,
     )
     wrapped._hvd_setup(reducer, optimizer)
     return wrapped

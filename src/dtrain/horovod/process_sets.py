@@ -153,6 +153,18 @@ def dynamic_requested(process_sets: object) -> bool:
 def members(process_set: ProcessSet | None, what: str) -> tuple[int, ...]:
     """The ranks an operation on `process_set` runs over; refuse an unregistered set, or a
     set this process is not in."""
+    ranks = registered(process_set, what)
+    if basics.rank() not in ranks:
+        raise HorovodUsageError(
+            f"hvd.{what}: rank {basics.rank()} is not a member of {process_set}; only its members "
+            "may run operations on it (check process_set.included() first)."
+        )
+    return ranks
+
+
+def registered(process_set: ProcessSet | None, what: str) -> tuple[int, ...]:
+    """The ranks of `process_set` (every rank for None or the global set); refuse a set
+    that is not registered."""
     registry = basics.context(what).sets
     if process_set is None or process_set is global_process_set:
         return registry.ranks[0]
@@ -166,11 +178,6 @@ def members(process_set: ProcessSet | None, what: str) -> tuple[int, ...]:
         raise HorovodUsageError(
             f"hvd.{what}: {process_set} is not registered; pass it to hvd.init(process_sets=[...]) "
             "or register it with hvd.add_process_set() on every process first."
-        )
-    if basics.rank() not in ranks:
-        raise HorovodUsageError(
-            f"hvd.{what}: rank {basics.rank()} is not a member of {process_set}; only its members "
-            "may run operations on it (check process_set.included() first)."
         )
     return ranks
 
