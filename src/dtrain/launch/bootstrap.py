@@ -28,6 +28,7 @@ from dtrain.checkpoint.atomic import write_file
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.launch.lifeline import die_with_launcher
+from dtrain.launch.stacks import dump_on_stop
 from dtrain.strategies import lookup
 from dtrain.teardown import exit_now
 
@@ -118,6 +119,7 @@ def main(argv: list[str]) -> int:
     `sys.exit` code, or 1 after recording an exception."""
     kind, target, *args = argv
     die_with_launcher()
+    dump_on_stop()
     try:
         role = role_main()
         if role is not None:

@@ -11,6 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from dtrain.config import Config
+from dtrain.launch.stacks import where
 
 
 def rendezvous_failed(config: Config, error: Exception) -> str:
@@ -70,15 +71,32 @@ def exit_code_of(failures: dict[int, ProcessFailure]) -> int:
     return codes.pop() if len(codes) == 1 and min(codes) > 0 else 1
 
 
+TIMED_OUT = (
+    "It waited longer than --timeout in a collective operation for a rank that never took "
+    "part: that rank hung or died. The ranks below that were still running show where "
+    "they were; raise --timeout only if a rank is just slow (a long first step, a big "
+    "checkpoint)."
+)
+
+
+def _timed_out(detail: str) -> bool:
+    """Whether a rank's traceback ends in a collective's timeout (gloo's or NCCL's)."""
+    last = detail.strip().splitlines()[-1] if detail.strip() else ""
+    return "Timed out waiting" in last or ("timed out" in last.lower() and "Watchdog" in last)
+
+
 def format_failures(
-    failures: dict[int, ProcessFailure], role: Callable[[int], str] | None = None
+    failures: dict[int, ProcessFailure],
+    role: Callable[[int], str] | None = None,
+    stacks: dict[int, str] | None = None,
 ) -> str:
     """One paragraph per failed rank: how it ended and its own traceback or message.
 
     `role` names what a rank does where the strategy gives ranks roles ("server 0").
 
     When one rank fails the agent stops the others with SIGTERM; those are listed last,
-    in one line, so the rank that caused the failure stands first.
+    so the rank that caused the failure stands first, each with where it was (`stacks`:
+    the Python stacks they wrote when stopped), which names a rank that hung.
     """
     causes = _causes(failures)
     reports: dict[tuple[str, str], list[int]] = {}
@@ -97,6 +115,8 @@ def format_failures(
                 detail = ours["message"] if ours["user_error"] else ours["traceback"].rstrip()
             else:
                 detail = "It left no traceback; its own output above shows why it stopped."
+            if _timed_out(detail):
+                detail = f"{detail}\n{TIMED_OUT}"
         reports.setdefault((how, detail), []).append(rank)
     parts = []
     for (how, detail), ranks in reports.items():
@@ -108,8 +128,16 @@ def format_failures(
             who = f"Ranks {', '.join(map(str, ranks))}"
         parts.append(f"{who} {how}:\n{detail}")
     others = sorted(set(failures) - set(causes))
-    if others:
+    stacks = stacks or {}
+    for rank in others:
+        if rank in stacks:
+            parts.append(
+                f"Rank {rank} was still running when the launcher stopped it, here (most recent "
+                f"call first):\n{where(stacks[rank])}"
+            )
+    quiet = [r for r in others if r not in stacks]
+    if quiet:
         parts.append(
-            f"Rank(s) {', '.join(map(str, others))} were stopped by the launcher after that."
+            f"Rank(s) {', '.join(map(str, quiet))} were stopped by the launcher after that."
         )
     return "\n\n".join(parts)

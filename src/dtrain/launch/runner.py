@@ -43,6 +43,7 @@ from dtrain.launch.hosts import as_nodes, hosts_of
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
 from dtrain.launch.remote import RANK_PREFIX_VAR
 from dtrain.launch.ssh import launch_over_ssh
+from dtrain.launch.stacks import STACKS_VAR, read_stacks, stopped_workers_continued
 from dtrain.launch.watch import rendezvous_host_watched
 from dtrain.parallel.data_parallel import OFFLOAD_NEEDS_GPUS
 from dtrain.strategies import lookup
@@ -315,6 +316,9 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
         # starts. Without the sharing, every round publishes a fresh one.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     log_dir = scratch_folder()
+    stacks = log_dir / "stacks"
+    stacks.mkdir()
+    os.environ[STACKS_VAR] = str(stacks)
     prefixed = os.environ.get(RANK_PREFIX_VAR) == "1"  # a host started over ssh
     rendezvous = _rendezvous(config)
     launch_config = LaunchConfig(
@@ -330,7 +334,12 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     )
     command = ("-u", "-m", bootstrap.__name__, target.kind, target.name, *target.args)
     try:
-        with _quiet_agent(), _host_watched(config, rendezvous), bootstrap.damaged_reports_ignored():
+        with (
+            _quiet_agent(),
+            _host_watched(config, rendezvous),
+            bootstrap.damaged_reports_ignored(),
+            stopped_workers_continued(),
+        ):
             elastic_launch(launch_config, sys.executable)(*command)
     except SignalException as e:
         raise Stopped(e.sigval) from None
@@ -338,7 +347,7 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
         raise LaunchError(rendezvous_failed(config, e)) from None
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
-        message = format_failures(e.failures, lambda r: role(config, r))
+        message = format_failures(e.failures, lambda r: role(config, r), read_stacks(stacks))
         raise LaunchError(message, exit_code=exit_code_of(e.failures)) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
