@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 from dtrain.errors import ConfigError
 from dtrain.names import (
+    ACTIVATION_CHECKPOINTING,
     CHECKPOINT_FORMATS,
     DP_MODES,
     LOGGERS,
@@ -84,6 +85,12 @@ class Config:
     )
     precision: str = option(
         "fp32", "fp32, or bf16-mixed (bf16 compute, fp32 master weights and reductions)."
+    )
+    activation_checkpointing: str = option(
+        "none",
+        "none; full: recompute every repeated block's forward in backward instead of keeping "
+        "its activations (less memory, about one more forward of compute); selective: every "
+        "other block.",
     )
     cpu_offload: bool = option(
         False, "Keep sharded parameters, gradients and optimizer state in host memory (zero3)."
@@ -314,6 +321,11 @@ class Config:
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"Unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}."
+            )
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError(
+                f"Unknown --activation-checkpointing '{self.activation_checkpointing}'; choose "
+                f"one of {', '.join(ACTIVATION_CHECKPOINTING)}."
             )
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # false for nan too
             raise ConfigError(

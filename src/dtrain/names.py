@@ -38,9 +38,10 @@ OPTIMIZERS = ("sgd", "adamw")
 LR_RULES = ("none", "linear", "sqrt")
 """`dtrain demo --lr-scaling`: how the learning rate follows the global batch."""
 
-# The values Config accepts for --precision, --schedule, --dp-mode, --ps-mode,
-# --checkpoint-format and --logger.
+# The values Config accepts for --precision, --activation-checkpointing, --schedule,
+# --dp-mode, --ps-mode, --checkpoint-format and --logger.
 PRECISIONS = ("fp32", "bf16-mixed")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("ddp", "zero2", "zero3")
 PS_MODES = ("sync", "async", "ssp")

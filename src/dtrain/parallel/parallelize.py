@@ -6,7 +6,8 @@ The order is fixed, as in torchtitan, because each step needs what the one befor
    (so a model bigger than one device fits once split);
 2. move this rank's units (the stages, or the whole model) to its device;
 3. tp: shard each unit's matrices with the model's tensor-parallel plan (DTensor);
-   then, with compile, compile each block in place (after tp, before dp wrappers);
+   then, with activation checkpointing, checkpoint the blocks, and with compile, compile
+   each block in place (after tp, before dp wrappers);
 4. dp: replicate (DDP, or `replicate` when composed with pp/tp) or shard (FSDP2) each unit
    over the data-parallel ranks, block by block;
 5. pp: build the schedule over the wrapped stages.
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from dtrain.config import Config
+from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.blocks import find_blocks, self_contained
 from dtrain.parallel.compile import compile_blocks
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
@@ -110,6 +112,9 @@ def parallelize(
         if stages
         else model
     )
+    # 3b. activation checkpointing, on the whole model's blocks (those of this rank's stages
+    # included), so selective picks the same blocks under every layout.
+    apply_activation_checkpointing(model, config.activation_checkpointing, config.blocks)
     blocks = _blocks(units, config)
     if compile:
         for unit, inner in zip(units, blocks, strict=True):

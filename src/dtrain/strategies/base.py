@@ -23,6 +23,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.names import unknown_strategy
 from dtrain.observe.breakdown import StepTimer
+from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.topology import Topology, detect
@@ -186,8 +187,10 @@ class Strategy:
         """
         model, compiled = unwrap_compiled(model)
         self.model = model.to(self.topology.device)
-        if self.config.compile or compiled:
-            compile_model(self.model, self.config.blocks, self.config.compile_backend)
+        c = self.config
+        apply_activation_checkpointing(self.model, c.activation_checkpointing, c.blocks)
+        if c.compile or compiled:
+            compile_model(self.model, c.blocks, c.compile_backend)
         return self.model, optimizer
 
     @property

@@ -25,6 +25,7 @@ from dtrain.batches import batch_size, split, to_device
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
+from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
 from dtrain.strategies.base import Strategy, register
@@ -225,9 +226,11 @@ class Towers(Strategy):
         model, compiled = unwrap_compiled(model)
         _warn_batchnorm(model, len(self.devices))
         self.model = TowerReplicas(model, self.devices, self.param_device)
-        if self.config.compile or compiled:
-            for replica in self.model.replicas:
-                compile_model(replica, self.config.blocks, self.config.compile_backend)
+        c = self.config
+        for replica in self.model.replicas:
+            apply_activation_checkpointing(replica, c.activation_checkpointing, c.blocks)
+            if c.compile or compiled:
+                compile_model(replica, c.blocks, c.compile_backend)
         return self.model, optimizer
 
     def unwrap(self) -> nn.Module:

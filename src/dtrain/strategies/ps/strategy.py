@@ -28,6 +28,7 @@ from dtrain.batches import LossFn
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
+from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
@@ -180,6 +181,8 @@ class ParameterServer(Strategy):
         assert optimizer is not None
         model, compiled = unwrap_compiled(model)
         model = model.to(self.topology.device)
+        c = self.config  # checkpointing first: a refusal comes before the servers are told
+        apply_activation_checkpointing(model, c.activation_checkpointing, c.blocks)
         params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         store = FlatParameters(params)
         start = handshake(Description.of(optimizer), store.host(), self.roles)
