@@ -315,6 +315,20 @@ def test_table_orders_ready_operations_and_stands_in_for_joined_ranks() -> None:
     assert table.joined == {}
 
 
+def test_with_a_rank_joined_other_operations_are_refused_whatever_their_names() -> None:
+    # Rank 0 joined early; ranks 1 and 2 name their gathers differently (automatic names
+    # drift once one process's operations were refused): each is refused at once.
+    table = Table(3)
+    join = Request(JOIN, JOIN, (0, 1, 2))
+    assert table.process([[join], [], []]) == []
+    ready = table.process([[], [_request("g.1", "allgather")], [_request("g.2", "allgather")]])
+    assert [(r.name, sorted(r.requests), r.joined) for r in ready] == [
+        ("g.1", [1], (0,)),
+        ("g.2", [2], (0,)),
+    ]
+    assert all("cannot run while rank(s) [0] have called hvd.join()" in r.error for r in ready)
+
+
 def test_table_reports_each_rank_on_a_mismatch() -> None:
     table = Table(3)
     (response,) = table.process([[_request("x")], [_request("x", shape=(3,))], [_request("x")]])

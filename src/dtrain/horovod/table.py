@@ -86,8 +86,11 @@ class Table:
                     if self._ready(request.key):
                         responses.append(self._respond(request.key))
         if self.joined:
-            # Joined processes stand in for the missing announcements of older operations.
-            for key in [k for k in self.pending if self._ready(k)]:
+            # Joined processes stand in for the missing announcements of older all-reduces;
+            # any other operation is refused at once on the processes that issued it, so
+            # they need not agree on its name (automatic names drift between a process that
+            # joined early and one whose operations were refused).
+            for key in [k for k in self.pending if self._ready(k) or self._refused(k)]:
                 responses.append(self._respond(key))
         if len(self.joined) == self.size:
             everyone = tuple(range(self.size))
@@ -111,11 +114,18 @@ class Table:
         announced = self.pending[key]
         return all(r in announced or r in self.joined for r in ranks)
 
+    def _refused(self, key: Key) -> bool:
+        """Whether operation `key` cannot run because a member joined (only all-reduces
+        can)."""
+        ranks, _ = key
+        first = next(iter(self.pending[key].values()))
+        return first.kind != ALLREDUCE and any(r in self.joined for r in ranks)
+
     def _respond(self, key: Key) -> Response:
         requests = self.pending.pop(key)
         ranks, name = key
         first = next(iter(requests.values()))
-        joined = tuple(r for r in ranks if r not in requests)
+        joined = tuple(r for r in ranks if r not in requests and r in self.joined)
         response = Response(first.kind, name, ranks, requests, joined)
         response.error = _mismatch(response) or _join_conflict(response)
         return response

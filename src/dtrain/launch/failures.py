@@ -129,13 +129,14 @@ def format_failures(
         parts.append(f"{who} {how}:\n{detail}")
     others = sorted(set(failures) - set(causes))
     stacks = stacks or {}
-    for rank in others:
-        if rank in stacks:
-            parts.append(
-                f"Rank {rank} was still running when the launcher stopped it, here (most recent "
-                f"call first):\n{where(stacks[rank])}"
-            )
-    quiet = [r for r in others if r not in stacks]
+    located = {r: where(stacks[r]) for r in others if r in stacks}
+    located = {r: frames for r, frames in located.items() if frames}
+    for rank, frames in located.items():
+        parts.append(
+            f"Rank {rank} was still running when the launcher stopped it, here (most recent "
+            f"call first):\n{frames}"
+        )
+    quiet = [r for r in others if r not in located]
     if quiet:
         parts.append(
             f"Rank(s) {', '.join(map(str, quiet))} were stopped by the launcher after that."
