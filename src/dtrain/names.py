@@ -40,7 +40,7 @@ LR_RULES = ("none", "linear", "sqrt")
 
 # The values Config accepts for --precision, --schedule, --dp-mode, --ps-mode,
 # --checkpoint-format and --logger.
-PRECISIONS = ("fp32", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("ddp", "zero2", "zero3")
 PS_MODES = ("sync", "async", "ssp")
