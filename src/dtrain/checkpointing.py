@@ -36,6 +36,7 @@ from dtrain.collectives import barrier, gather_objects, rank_in
 from dtrain.errors import CheckpointError
 from dtrain.observe.logs import LOGGER
 from dtrain.position import Position
+from dtrain.precision import LossScaling
 from dtrain.strategies import Strategy
 
 
@@ -49,6 +50,8 @@ class Checkpoints:
         """The newest checkpoint this process saw complete."""
         self.optimizer: Optimizer | None = None
         """The optimizer the loop steps (set by `engine.setup`)."""
+        self.loss_scaling: LossScaling | None = None
+        """fp16-mixed's loss scale, saved and restored with the trainer state."""
         self._sharded = ShardedWriter(strategy)
         self._cleaned: set[Path] = set()
         """The folders where this run removed earlier attempts' interrupted writes."""
@@ -96,6 +99,8 @@ class Checkpoints:
             "epoch": self.position.epoch if epoch is None else epoch,
             "samples_in_epoch": self.position.samples_in_epoch,
         }
+        # The same on every rank: the ranks agree on every skipped step.
+        scaler = {"loss_scaler": self.loss_scaling.state_dict()} if self.loss_scaling else {}
         info = {
             **position,
             "strategy": self.strategy.name,
@@ -120,6 +125,7 @@ class Checkpoints:
                 "shuffle_seed": self.position.shuffle_seed,
                 "rng_per_rank": [state for state, _ in everyone],
                 "optimizer_groups": merge_groups([groups for _, groups in everyone]),
+                **scaler,
             }
             self._sharded.save(path, part, trainer, info, committed)
             if self.strategy.config.async_checkpoint:
@@ -133,6 +139,7 @@ class Checkpoints:
                     **position,
                     "shuffle_seed": self.position.shuffle_seed,
                     "rng_per_rank": rng_states,
+                    **scaler,
                 }
                 checkpoint.write(path, tensors, optimizer_state, trainer, info)
                 committed()
@@ -249,6 +256,8 @@ class Checkpoints:
         where.epoch = int(trainer.get("epoch", manifest["epoch"]))
         where.resume_at = (where.epoch, int(trainer.get("samples_in_epoch", 0)))
         where.shuffle_seed = trainer.get("shuffle_seed")
+        if self.loss_scaling is not None and "loss_scaler" in trainer:
+            self.loss_scaling.load_state_dict(trainer["loss_scaler"])
         rng_states = trainer.get("rng_per_rank") or []
         if rng_states:
             # Same number of processes: every rank continues its own streams; else rank 0's.

@@ -84,7 +84,9 @@ class Config:
         "machine), then back inside: fewer bytes on the links between machines.",
     )
     precision: str = option(
-        "fp32", "fp32, or bf16-mixed (bf16 compute, fp32 master weights and reductions)."
+        "fp32",
+        "fp32; bf16-mixed (bf16 compute, fp32 master weights and reductions); or fp16-mixed "
+        "(the same in fp16, with dynamic loss scaling: for GPUs without bf16).",
     )
     activation_checkpointing: str = option(
         "none",

@@ -38,6 +38,7 @@ from dtrain.observe.report import RunReport
 from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal
 from dtrain.position import Position
+from dtrain.precision import LossScaling
 from dtrain.rng import drawn_seed
 from dtrain.strategies import Strategy
 from dtrain.teardown import close_at_exit, forget
@@ -85,6 +86,12 @@ class Engine:
         """Every rank's `memory`, once gathered after the first step."""
         self._step_samples = 0
         """Samples of the last `train_step` over every data-parallel worker."""
+        self.loss_scaling: LossScaling | None = None
+        """fp16-mixed's loss scale and its count of skipped steps (None otherwise)."""
+        if config.precision == "fp16-mixed":
+            distributed = strategy.multiprocess and dist.is_initialized()
+            scaling = LossScaling(strategy.input_device, strategy.train_group, distributed)
+            self.loss_scaling = strategy.loss_scaling = self.checkpoints.loss_scaling = scaling
 
     # -- where training stands ------------------------------------------------------------
     @property
@@ -175,6 +182,8 @@ class Engine:
         self.checkpoints.optimizer = optimizer
         if optimizer is not None:
             optimizer.register_step_post_hook(self._count_step)
+            if self.loss_scaling is not None:
+                self.loss_scaling.wrap_step(optimizer, self._skipped_step)
         self.strategy.timer = self.timing.timer
         self.timing.start(
             self.strategy.unwrap(),
@@ -205,6 +214,20 @@ class Engine:
         self._step_samples = samples or self._step_samples
         if self.position.step % self.config.log_every == 0:
             self._read_loss()  # read after its step
+
+    def _skipped_step(self, hooks_ran: bool) -> None:
+        """An fp16-mixed step skipped on every rank (a gradient overflowed): it counts as
+        a step (its batch was consumed); the first one is said on the main rank."""
+        if not hooks_ran:
+            self._count_step()
+        assert self.loss_scaling is not None
+        message = (
+            f"step {self.step} skipped: fp16 gradients overflowed; loss scale lowered to "
+            f"{self.loss_scaling.scale_value:g}"
+        )
+        LOGGER.info(message)
+        if self.loss_scaling.skipped == 1:
+            self.print(f"dtrain: {message} (later skips are counted at the end).")
 
     def _require_setup(self, what: str) -> None:
         if self.model is None:
@@ -300,6 +323,8 @@ class Engine:
                 "micro-batches; use a larger batch or fewer micro-batches."
             )
         measure = self.config.memory_report and self.memory is None
+        if self.loss_scaling is not None:
+            self.loss_scaling.backward()
         mean: torch.Tensor | int = 0
         with InStep(self.strategy.unwrap(), measure).watching() as held:
             for i, part in enumerate(split(batch, k) if k > 1 else [batch]):
@@ -343,6 +368,8 @@ class Engine:
         under sync ps the servers clip the round's mean and keep its norm: NaN here).
         Call it between backward and ``optimizer.step()`` in a hand-written loop (on every
         rank: it is a collective); `train_step` calls it itself with ``clip_grad_norm``.
+        Under fp16-mixed it first divides the gradients by the loss scale
+        (`unscale_gradients`).
         """
         self._require_setup("engine.clip_grad_norm_")
         if not max_norm > 0:
@@ -350,9 +377,21 @@ class Engine:
                 f"The gradient-norm bound must be positive, got {max_norm}; use a value such "
                 "as 1.0, or do not clip."
             )
+        self.unscale_gradients()
         norm = self.strategy.clip_grad_norm_(max_norm)
         self.grad_norm = norm
         return norm
+
+    def unscale_gradients(self) -> None:
+        """Under --precision fp16-mixed, divide this step's gradients by the loss scale
+        now, so that a hand-written loop can read or clip them itself (as
+        ``scaler.unscale_(optimizer)`` in torch's recipe); once per step, after its last
+        backward, on every rank (the overflow check is agreed over the job). The
+        optimizer's step and `clip_grad_norm_` do it themselves; a no-op under other
+        precisions."""
+        self._require_setup("engine.unscale_gradients")
+        if self.loss_scaling is not None and self.optimizer is not None:
+            self.loss_scaling.unscale_(self.optimizer)
 
     def _read_loss(self) -> float | None:
         return self._reads.read(self.strategy, self.optimizer, self.grad_norm)
@@ -370,7 +409,8 @@ class Engine:
         return self._read_loss()
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """bf16 autocast for --precision bf16-mixed, unless the strategy applies it itself."""
+        """bf16 or fp16 autocast for --precision bf16-mixed or fp16-mixed, unless the
+        strategy applies it itself."""
         return self.strategy.autocast()
 
     def memory_report(self) -> list[dict[str, int]]:
@@ -386,12 +426,15 @@ class Engine:
         """Back-propagate `loss` and synchronise gradients as the strategy requires (for
         loops written by hand; the loss is watched, and the step timed and its samples
         counted, as in `train_step`: from the first call on, the forward of the model
-        `setup` returned starts a step's micro-batch, and this call ends its forward)."""
+        `setup` returned starts a step's micro-batch, and this call ends its forward).
+        Under fp16-mixed the loss is multiplied by the loss scale first."""
         self._require_setup("engine.backward")
         self._watch.record(loss, self.step + 1)
         timer = self.timing.timer
         timer.forward_done()
-        self.strategy.backward(loss)
+        if self.loss_scaling is not None:
+            self.loss_scaling.backward()
+        self.strategy.backward(self.strategy.scaled(loss))
         timer.end_micro()
         assert self.model is not None
         self.timing.watch_forwards(self.model)
@@ -520,6 +563,10 @@ class Engine:
         rate = self.throughput.samples_per_second
         if not self.throughput.seconds:
             rate = steady_rate(summary) or rate  # a loop without engine.progress
+        scaling = self.loss_scaling
+        if scaling is not None:
+            summary["skipped_steps"] = scaling.skipped
+            summary["loss_scale"] = scaling.scale_value
         metrics_path = self.report.finish(
             {
                 **summary,
@@ -533,6 +580,11 @@ class Engine:
         if self.step:
             self.print(
                 f"dtrain: {self.step} steps"
+                + (
+                    f" ({scaling.skipped} skipped: fp16 gradients overflowed)"
+                    if scaling is not None and scaling.skipped
+                    else ""
+                )
                 + (f", {rate:,.0f} samples/s" if rate else "")
                 + (
                     f", last checkpoint {self.checkpoints.last_path}"

@@ -40,7 +40,7 @@ LR_RULES = ("none", "linear", "sqrt")
 
 # The values Config accepts for --precision, --activation-checkpointing, --schedule,
 # --dp-mode, --ps-mode, --checkpoint-format and --logger.
-PRECISIONS = ("fp32", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("ddp", "zero2", "zero3")

@@ -54,7 +54,8 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
     ):
         raise ConfigError(
             "--precision bf16-mixed needs a GPU with bfloat16 support; "
-            f"{torch.cuda.get_device_name()} has none. Use --precision fp32."
+            f"{torch.cuda.get_device_name()} has none. Use --precision fp16-mixed (fp16 "
+            "compute with loss scaling) or fp32."
         )
     if strategy_cls.multiprocess:
         init_process_group(topology, config.timeout_s)

@@ -13,13 +13,19 @@ import torch
 from dtrain.models.gpt import GPTConfig
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    # Dense peaks from the vendors' data sheets, TFLOP/s: fp32 (no tensor cores),
-    # tf32 and bf16 tensor cores. H200 has H100's compute.
-    "H100": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4},
-    "H200": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
-    "L4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0},
+    # Dense peaks from the vendors' data sheets, TFLOP/s: fp32 (no tensor cores), tf32,
+    # bf16 and fp16 tensor cores (fp16 runs at bf16's rate where both exist). H200 has
+    # H100's compute. V100 and T4 have fp16 tensor cores only: fp32 matmuls run without
+    # tensor cores whatever torch's tf32 setting says.
+    "H100": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "H200": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    "L4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
+    "V100": {"fp32": 15.7, "tf32": 15.7, "fp16": 125.0},
+    "T4": {"fp32": 8.1, "tf32": 8.1, "fp16": 65.0},
 }
+KINDS = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+"""The tensor-core kind of each mixed --precision."""
 
 
 def flops_per_token(config: GPTConfig, parameters: int) -> float:
@@ -28,19 +34,19 @@ def flops_per_token(config: GPTConfig, parameters: int) -> float:
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The device's dense peak FLOP/s for `precision` ("fp32" or "bf16-mixed"); None on
-    the CPU or on a GPU not in `PEAK_TFLOPS`."""
+    """The device's dense peak FLOP/s for `precision` (a --precision value); None on the
+    CPU, on a GPU not in `PEAK_TFLOPS`, or for a precision the GPU lacks."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     peaks = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     if peaks is None:
         return None
-    if precision == "bf16-mixed":
-        kind = "bf16"
-    else:
+    kind = KINDS.get(precision)
+    if kind is None:
         kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    return peaks[kind] * 1e12
+    peak = peaks.get(kind)
+    return peak * 1e12 if peak is not None else None
 
 
 def gpt_throughput(

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import ConfigError
 from dtrain.parallel.hierarchical import HostGroups, hierarchical_hook
+from dtrain.precision import compute_dtype
 
 OFFLOAD_NEEDS_GPUS = (
     "--cpu-offload moves sharded parameters, gradients and optimizer state from the GPUs to "
@@ -40,7 +41,8 @@ class ShardOptions:
     """True frees a block's gathered parameters after its forward (ZeRO-3); False keeps
     them to backward (ZeRO-2)."""
     precision: str = "fp32"
-    """``bf16-mixed``: bf16 parameters in compute, fp32 gradient reduction and outputs."""
+    """``bf16-mixed`` (``fp16-mixed``): bf16 (fp16) parameters in compute, fp32 gradient
+    reduction and outputs."""
     cpu_offload: bool = False
     """Keep the shards (parameters, gradients, optimizer state) in host memory."""
     prefetch: bool = True
@@ -52,12 +54,13 @@ class ShardOptions:
         """The keyword arguments of `fully_shard` for these options on `mesh`, for a block
         or for the `root` (the whole model or a pipeline stage)."""
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
-        if self.precision == "bf16-mixed":
-            # Blocks hand bf16 activations to each other; only the root's output (what the
-            # loss sees) goes back to fp32. An fp32 output from every block would reach the
-            # next bf16 layer norm, which the CPU kernels refuse.
+        dtype = compute_dtype(self.precision)
+        if dtype is not None:
+            # Blocks hand bf16 (fp16) activations to each other; only the root's output
+            # (what the loss sees) goes back to fp32. An fp32 output from every block would
+            # reach the next bf16 layer norm, which the CPU kernels refuse.
             kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16,
+                param_dtype=dtype,
                 reduce_dtype=torch.float32,
                 output_dtype=torch.float32 if root else None,
             )

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from dtrain.errors import ConfigError, SetupError
 from dtrain.parallel.relay import relay_forward
 from dtrain.parallel.split import Tie
+from dtrain.precision import LossScaling
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -239,6 +240,9 @@ class Pipeline:
         self.last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
         self.has_last = (num_stages - 1) in stages
         self._loss_fn: LossFn | None = None
+        self._scaling: LossScaling | None = None
+        self._losses: list[torch.Tensor] = []
+        """This step's micro-batch losses (divided by M, not by the loss scale)."""
         self._shape: torch.Size | None = None
         self.stages = [
             TimedStage(module, index, num_stages, device, group=group)
@@ -261,11 +265,22 @@ class Pipeline:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
-        return self._loss_fn(output, target) / self.microbatches
+        loss = self._loss_fn(output, target) / self.microbatches
+        self._losses.append(loss.detach())
+        # fp16-mixed: the last stage back-propagates the scaled loss, so every stage's
+        # gradients carry the scale (each rank unscales its own before the step).
+        return loss if self._scaling is None else self._scaling.scale(loss)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
-        """Forward and backward of one batch through every stage; the batch's mean loss
-        (a float64 scalar on the device, not read back), on every rank of the pipeline."""
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        scaling: LossScaling | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of one batch through every stage, the loss times the loss
+        scale of `scaling` (fp16-mixed) if given; the batch's mean loss (a float64 scalar
+        on the device, not read back), on every rank of the pipeline."""
         if inputs.shape[0] % self.microbatches:
             raise SetupError(
                 f"A batch of {inputs.shape[0]} sample(s) cannot be cut into --microbatches "
@@ -281,16 +296,15 @@ class Pipeline:
                 "batch must have the same shape: keep drop_last=True (engine.dataloader's "
                 "default) and pad sequences to one length."
             )
-        self._loss_fn = loss_fn
-        losses: list[torch.Tensor] = []
+        self._loss_fn, self._scaling, self._losses = loss_fn, scaling, []
         # return_outputs=False: the last stage frees each micro-batch's output after its
         # backward instead of keeping all M for a merged result nobody reads.
-        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        self.schedule.step(inputs, target=targets, return_outputs=False)
         if not self._accumulating:
             self.tied.sum_gradients()
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         if self.has_last:
-            total += sum(loss.detach().double() for loss in losses)
+            total += sum(loss.double() for loss in self._losses)
         dist.broadcast(total, src=self.last_rank, group=self.group)
         for stage in self.stages:
             self.compute_seconds[stage.stage_index] += stage.take_seconds()

@@ -26,6 +26,7 @@ from dtrain.observe.breakdown import StepTimer
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.precision import LossScaling, compute_dtype
 from dtrain.topology import Topology, detect
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -67,6 +68,8 @@ class Strategy:
         self.model: nn.Module | None = None
         self.timer: StepTimer | None = None
         """The Engine's step timer, told when the forward of a micro-batch is done."""
+        self.loss_scaling: LossScaling | None = None
+        """The Engine's loss scale under --precision fp16-mixed, applied to each loss."""
 
     @classmethod
     def check_launch(cls, config: Config) -> None:
@@ -119,6 +122,13 @@ class Strategy:
             raise ConfigError(
                 f"--cpu-offload works with --strategy zero3 only (or hybrid with --dp-mode "
                 f"zero3), not '{cls.name}'; drop it, or shard everything with zero3."
+            )
+        if config.precision == "fp16-mixed" and cls.exchange_in_step:
+            raise ConfigError(
+                f"--precision fp16-mixed is not supported under --strategy {cls.name}: the "
+                "servers apply each update, so a worker cannot skip a step whose fp16 "
+                "gradients overflowed (a sync round waits for every worker's gradients). Use "
+                "--precision bf16-mixed or fp32, or a strategy such as ddp."
             )
 
     @classmethod
@@ -217,11 +227,12 @@ class Strategy:
         return self.unwrap()
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """bf16 autocast for --precision bf16-mixed, unless the strategy's wrappers apply
-        the precision themselves (FSDP's mixed-precision policy)."""
-        if self.config.precision != "bf16-mixed" or self.handles_precision:
+        """bf16 or fp16 autocast for --precision bf16-mixed or fp16-mixed, unless the
+        strategy's wrappers apply the precision themselves (FSDP's mixed-precision policy)."""
+        dtype = compute_dtype(self.config.precision)
+        if dtype is None or self.handles_precision:
             return contextlib.nullcontext()
-        return torch.autocast(self.topology.device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.topology.device.type, dtype=dtype)
 
     def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
         """The step seam: forward and backward of one micro-batch of one process.
@@ -237,8 +248,12 @@ class Strategy:
             _, loss = forward_loss(self.model, batch, loss_fn)  # type: ignore[arg-type]
         if self.timer is not None:
             self.timer.forward_done()
-        self.backward(loss if scale == 1 else loss * scale)
+        self.backward(self.scaled(loss if scale == 1 else loss * scale))
         return loss.detach()
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16-mixed loss scale (unchanged under other precisions)."""
+        return loss if self.loss_scaling is None else self.loss_scaling.scale(loss)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and make the gradients ready for the optimizer."""

@@ -259,7 +259,7 @@ class MeshStrategy(Strategy):
             )
         inputs, targets = batch
         with self.autocast():
-            loss = pipeline.step(inputs, targets, loss_fn)
+            loss = pipeline.step(inputs, targets, loss_fn, self.loss_scaling)
         if self.degrees.dp_enabled:
             dist.all_reduce(loss, group=self.dp_group)
             loss = loss / self.degrees.dp
