@@ -169,11 +169,11 @@ class Executor:
                     shares.append((operation, work, wire, offset, tensor))
                     offset += tensor.numel()
                 works.append(work)
-        factor = t.postscale / (len(first.ranks) if op is ReduceOp.Average else 1)
+        divisor = len(first.ranks) if op is ReduceOp.Average else 1
         for _, operation in ready:
             if operation is not None:
                 mine = [s[1:] for s in shares if s[0] is operation]
-                operation.start([m[0] for m in mine], _copy_back(mine, factor))
+                operation.start([m[0] for m in mine], _copy_back(mine, t.postscale, divisor))
 
     # --- the other collectives, one operation at a time --------------------------------
 
@@ -256,20 +256,23 @@ class Executor:
                     dist.reduce_scatter(out, pieces, op=torch_op(op), group=group, async_op=True)
                 )
                 pending.append((tensor, out))
-        factor = t.postscale / (size if op is ReduceOp.Average else 1)
+        divisor = size if op is ReduceOp.Average else 1
 
         def finish() -> list[torch.Tensor]:
             with torch.no_grad():
                 return [
-                    scale_(out, factor).to(tensor.device, tensor.dtype) for tensor, out in pending
+                    scale_(out, t.postscale, divisor).to(tensor.device, tensor.dtype)
+                    for tensor, out in pending
                 ]
 
         operation.start(works, finish)
 
 
-def _copy_back(shares: list[tuple[Any, ...]], factor: float) -> Callable[[], list[torch.Tensor]]:
+def _copy_back(
+    shares: list[tuple[Any, ...]], factor: float, divisor: int
+) -> Callable[[], list[torch.Tensor]]:
     """The finish of an all-reduce: each output gets its slice of the reduced buffer, then
-    the post-scaling (and the division of an average)."""
+    the post-scaling and the division of an average."""
 
     def finish() -> list[torch.Tensor]:
         outputs = []
@@ -278,7 +281,7 @@ def _copy_back(shares: list[tuple[Any, ...]], factor: float) -> Callable[[], lis
                 n = output.numel()
                 if not (wire.data_ptr() == output.data_ptr() and offset == 0):
                     output.copy_(wire.reshape(-1)[offset : offset + n].view(output.shape))
-                outputs.append(scale_(output, factor))
+                outputs.append(scale_(output, factor, divisor))
         return outputs
 
     return finish

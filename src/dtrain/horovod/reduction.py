@@ -94,16 +94,20 @@ def check_scalable(
         )
 
 
-def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """Multiply `tensor` by `factor` in place; integer tensors are scaled in float64 and
-    truncated toward zero, as Horovod scales them."""
-    if factor == 1:
+def scale_(tensor: torch.Tensor, factor: float, divisor: int = 1) -> torch.Tensor:
+    """Multiply `tensor` by `factor`, then divide it by `divisor` (an average's count), in
+    place, as Horovod does: a true division, so that an average of equal values is exact
+    (a multiplication by 1/3 is not); integer tensors are scaled in float64 and truncated
+    toward zero."""
+    if factor == 1 and divisor == 1:
         return tensor
     if tensor.is_floating_point() or tensor.is_complex():
-        return tensor.mul_(factor)
+        if factor != 1:
+            tensor.mul_(factor)
+        return tensor.div_(divisor) if divisor != 1 else tensor
     if tensor.dtype == torch.bool:
         raise HorovodUsageError(
             "A boolean tensor cannot be averaged or scaled; use op=hvd.Sum, hvd.Min or "
             "hvd.Max, or convert it to an integer or float tensor first."
         )
-    return tensor.copy_(torch.trunc(tensor.double() * factor))
+    return tensor.copy_(torch.trunc(tensor.double() * factor / divisor))
