@@ -25,6 +25,7 @@ from dtrain.names import unknown_strategy
 from dtrain.observe.breakdown import StepTimer
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.parallel.materialize import DeferredInit
 from dtrain.topology import Topology, detect
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -66,6 +67,9 @@ class Strategy:
         self.model: nn.Module | None = None
         self.timer: StepTimer | None = None
         """The Engine's step timer, told when the forward of a micro-batch is done."""
+        self.deferred: DeferredInit | None = None
+        """Set by the Engine before `setup` when the model was built on the meta device
+        and this strategy `places_parts`: how to initialise the part this rank holds."""
 
     @classmethod
     def check_launch(cls, config: Config) -> None:
@@ -167,6 +171,14 @@ class Strategy:
     def splits_model(self) -> bool:
         """True if the optimizer each rank steps holds only part of the model or of its
         state (sharded, pipelined, tensor-parallel, parameter servers)."""
+        return False
+
+    @property
+    def places_parts(self) -> bool:
+        """True if `setup` places only this rank's part of the model on its device (shards,
+        stages, slices), so that a model built on the meta device is materialised and
+        initialised there part by part (`deferred`); False: the Engine materialises it
+        whole on the device before `setup`."""
         return False
 
     @property
