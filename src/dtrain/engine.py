@@ -37,6 +37,7 @@ from dtrain.observe.progress import Throughput, steady_rate
 from dtrain.observe.report import RunReport
 from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal
+from dtrain.parallel.materialize import DeferredInit, materialize
 from dtrain.position import Position
 from dtrain.precision import LossScaling
 from dtrain.rng import drawn_seed
@@ -92,6 +93,8 @@ class Engine:
             distributed = strategy.multiprocess and dist.is_initialized()
             scaling = LossScaling(strategy.input_device, strategy.train_group, distributed)
             self.loss_scaling = strategy.loss_scaling = self.checkpoints.loss_scaling = scaling
+        self._empty_rng: torch.Tensor | None = None
+        """The CPU random state when `init_empty` was last entered."""
 
     # -- where training stands ------------------------------------------------------------
     @property
@@ -164,12 +167,43 @@ class Engine:
         return log_to_file(Path(directory), self.rank)
 
     # -- setup ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def init_empty(self) -> Iterator[None]:
+        """Build the model inside this block without memory: on torch's meta device, every
+        shape and no values. `setup` then gives storage on the device only to the part this
+        rank holds (its shards, pipeline stages or tensor-parallel slices; the whole model
+        under the strategies that hold whole copies) and initialises it to the values a
+        build of the whole model on the CPU draws from the random state at this block's
+        start (rank 0's). The model's modules must initialise themselves as torch's layers
+        do: each with a ``reset_parameters()`` that sets all its own parameters and buffers,
+        or the model with an ``init_weights()`` its constructor ends with (see
+        `dtrain.parallel.materialize`); a module that cannot is refused at setup.
+        Build the optimizer from ``model.parameters()`` as usual: setup keeps it pointing at
+        what trains."""
+        self._empty_rng = torch.get_rng_state()
+        with torch.device("meta"):
+            yield
+
+    def _initialise_empty(self, model: nn.Module) -> None:
+        """For a model built on the meta device: materialise and initialise it whole on the
+        device here, or hand the strategy what it needs to do so for its part."""
+        rng = self._empty_rng if self._empty_rng is not None else torch.get_rng_state()
+        deferred = DeferredInit.of(model, rng)
+        if deferred is None:
+            return
+        if self.strategy.places_parts:
+            self.strategy.deferred = deferred.from_first_rank()
+            return
+        materialize(model, self.topology.device)
+        deferred.initialise(model)
+
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Place and wrap `model` for the strategy; return (model to call, optimizer).
 
-        Build `optimizer` from ``model.parameters()`` before calling this.
+        Build `optimizer` from ``model.parameters()`` before calling this. A model built
+        inside `init_empty` is materialised and initialised here.
         """
         if self.model is not None:
             raise SetupError("engine.setup was called twice; call it once per Engine.")
@@ -177,6 +211,7 @@ class Engine:
             check_split(optimizer, self.strategy.name, self.strategy.splits_model)
             self._step_refusal = train_step_refusal(optimizer)
         kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
+        self._initialise_empty(model)
         self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
         self.checkpoints.optimizer = optimizer

@@ -21,10 +21,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import ConfigError
 from dtrain.parallel.hierarchical import HostGroups, hierarchical_hook
+from dtrain.parallel.materialize import materialize
 from dtrain.precision import compute_dtype
 
 OFFLOAD_NEEDS_GPUS = (
@@ -119,18 +121,39 @@ def apply_fsdp(
 ) -> None:
     """Shard each unit (a whole model or a pipeline stage) over `mesh`: its blocks first,
     then the unit itself (which takes the remaining parameters), then link the blocks for
-    explicit prefetching (forward: the next block; backward: the previous one)."""
+    explicit prefetching (forward: the next block; backward: the previous one).
+
+    The units may be anywhere (host memory, the meta device): `fully_shard` moves each
+    block's tensors to `device` as it shards them, and the whole tensors it replaced are
+    released block by block (the user's optimizer still holds them until setup repoints
+    it), so the device never holds more than the shards and one whole block. A unit built
+    on the meta device then gets storage for its shards only (`materialize`).
+    """
     for unit in units:
         _make_contiguous(unit)
+    home = torch.device("cpu") if options.cpu_offload else device
     for unit, inner in zip(units, blocks, strict=True):
         trainable = [b for b in inner if any(p.requires_grad for p in b.parameters())]
         for block in trainable:
-            fully_shard(block, **options.fully_shard_kwargs(mesh, device, root=False))
-        fully_shard(unit, **options.fully_shard_kwargs(mesh, device, root=True))
+            _shard(block, options.fully_shard_kwargs(mesh, device, root=False))
+        _shard(unit, options.fully_shard_kwargs(mesh, device, root=True))
+        materialize(unit, home)
         if options.prefetch:
             for current, following in zip(trainable, trainable[1:], strict=False):
                 current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
                 following.set_modules_to_backward_prefetch([current])  # type: ignore[operator]
+
+
+@torch.no_grad()
+def _shard(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """`fully_shard(module)`, then release the whole tensors of the parameters it replaced
+    with shards (a tensor-parallel slice or a meta tensor has nothing to release)."""
+    before = dict(module.named_parameters())
+    fully_shard(module, **kwargs)
+    now = dict(module.named_parameters())
+    for name, param in before.items():
+        if now.get(name) is not param and not isinstance(param, DTensor) and not param.is_meta:
+            param.data = param.data.new_empty(0)
 
 
 @torch.no_grad()

@@ -4,8 +4,12 @@ The order is fixed, as in torchtitan, because each step needs what the one befor
 
 1. pp: cut the model's chain of layers into stages, in host memory, and keep this rank's
    (so a model bigger than one device fits once split);
-2. move this rank's units (the stages, or the whole model) to its device;
-3. tp: shard each unit's matrices with the model's tensor-parallel plan (DTensor);
+2. tp: shard each unit's matrices with the model's tensor-parallel plan (DTensor), each
+   slice placed on the device as it is cut;
+3. place this rank's units (the stages, or the whole model) on its device, unless they
+   are sharded: FSDP2 places each block as it shards it (step 4), so no rank ever holds
+   more of the model than its shards and the block being sharded; a unit built on the
+   meta device (`dtrain.parallel.materialize`) only gets storage there, for its part;
    then, with activation checkpointing, checkpoint the blocks, and with compile, compile
    each block in place (after tp, before dp wrappers);
 4. dp: replicate (DDP, or `replicate` when composed with pp/tp) or shard (FSDP2) each unit
@@ -30,6 +34,7 @@ from dtrain.parallel.compile import compile_blocks
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import ParallelMesh
 from dtrain.parallel.hierarchical import host_groups
+from dtrain.parallel.materialize import materialize
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
 from dtrain.parallel.split import Stage, Tie, check_stages, layers_of, split_layers
 from dtrain.parallel.tensor_plan import apply_tp, plan_of
@@ -102,11 +107,13 @@ def parallelize(
         split_stages(model, d.pp, mesh.local_rank("pp"), config) if d.pp_enabled else ({}, [])
     )
     units: list[nn.Module] = list(stages.values()) or [model]
-    # 2. device, 3. tp.
+    # 2. tp, 3. device (a sharded unit is placed block by block in step 4).
     for unit in units:
-        unit.to(device)
         if plan is not None:
             apply_tp(unit, mesh["tp"], plan)
+        if shard is None:
+            materialize(unit, device)
+            unit.to(device)
     local = (
         Stage([layer for s in sorted(stages) for layer in stages[s].layers], model)
         if stages

@@ -26,6 +26,7 @@ from dtrain.observe.breakdown import StepTimer
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.parallel.materialize import DeferredInit
 from dtrain.precision import LossScaling, compute_dtype
 from dtrain.topology import Topology, detect
 
@@ -70,6 +71,9 @@ class Strategy:
         """The Engine's step timer, told when the forward of a micro-batch is done."""
         self.loss_scaling: LossScaling | None = None
         """The Engine's loss scale under --precision fp16-mixed, applied to each loss."""
+        self.deferred: DeferredInit | None = None
+        """Set by the Engine before `setup` when the model was built on the meta device
+        and this strategy `places_parts`: how to initialise the part this rank holds."""
 
     @classmethod
     def check_launch(cls, config: Config) -> None:
@@ -178,6 +182,14 @@ class Strategy:
     def splits_model(self) -> bool:
         """True if the optimizer each rank steps holds only part of the model or of its
         state (sharded, pipelined, tensor-parallel, parameter servers)."""
+        return False
+
+    @property
+    def places_parts(self) -> bool:
+        """True if `setup` places only this rank's part of the model on its device (shards,
+        stages, slices), so that a model built on the meta device is materialised and
+        initialised there part by part (`deferred`); False: the Engine materialises it
+        whole on the device before `setup`."""
         return False
 
     @property

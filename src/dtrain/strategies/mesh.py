@@ -156,6 +156,11 @@ class MeshStrategy(Strategy):
         return self.shard is not None or d.pp_enabled or d.tp_enabled
 
     @property
+    def places_parts(self) -> bool:  # type: ignore[override]
+        d = self.degrees
+        return self.shard is not None or d.pp_enabled or d.tp_enabled
+
+    @property
     def grad_norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """Pipeline stages hold different layers: their gradient norms add up."""
         return (self.mesh.group("pp"),) if self.pipelined else ()
@@ -211,6 +216,8 @@ class MeshStrategy(Strategy):
             compile=self.config.compile or compiled,
         )
         self.model = self.parts.model
+        if self.deferred is not None:  # built on the meta device: this rank's part, placed
+            self.deferred.initialise(model)
         hooks.register(self.parts.local)
         if d.tp_enabled and not d.dp_enabled:
             # Layers the plan does not split keep plain tensors beside the DTensors; a
