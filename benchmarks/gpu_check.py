@@ -68,6 +68,8 @@ class Row:
 
 
 BF16 = ["--precision", "bf16-mixed"]
+FP16 = ["--precision", "fp16-mixed"]
+AC = ["--activation-checkpointing", "full"]
 CASES = [
     Case("single", ["--strategy", "single"]),
     Case("towers", ["--strategy", "towers"], "single"),
@@ -96,6 +98,20 @@ CASES = [
         1e-2,
         timeout_s=200,
     ),
+    Case("single-fp16", ["--strategy", "single", *FP16]),
+    Case("ddp-fp16", ["--strategy", "ddp", "--nproc", "1", *FP16], "single-fp16", 2e-2),
+    Case("zero3-fp16", ["--strategy", "zero3", "--nproc", "1", *FP16], "single-fp16", 2e-2),
+    Case("tensor-fp16", ["--strategy", "tensor", "--nproc", "1", *FP16], "single-fp16", 2e-2),
+    Case(
+        "zero3-offload-fp16",
+        ["--strategy", "zero3", "--nproc", "1", "--cpu-offload", *FP16],
+        "single-fp16",
+        2e-2,
+        gpu_only=True,
+    ),
+    Case("single-ac", ["--strategy", "single", *AC], "single"),
+    Case("zero3-ac", ["--strategy", "zero3", "--nproc", "1", *AC], "single"),
+    Case("pipeline-ac", ["--strategy", "pipeline", "--nproc", "1", *AC], "single"),
     Case(
         "ddp-2-on-1-gpu",
         ["--strategy", "ddp", "--nproc", "2"],
