@@ -1,4 +1,5 @@
-"""A rank that hangs is named, with the line it hung on, within about one --timeout.
+"""A rank that hangs is named, with the line it hung on, within about one --timeout; a
+rank that finished early, leaving the others waiting, is named as finished.
 
 The other rank's collective times out; the agent stops the hung rank with SIGTERM, on
 which it writes its stack (a SIGSTOPped rank is continued first so that it can), and the
@@ -33,6 +34,10 @@ for step, batch in enumerate(engine.dataloader(data, batch_size=8)):
     engine.train_step(batch, F.cross_entropy)
 engine.close()
 """
+
+LEAVES = HANGS.replace(
+    "os.kill(os.getpid(), signal.SIGSTOP)  # line 10: hangs here", "raise SystemExit(0)"
+)
 
 DUMP = """\
 Thread 0x00007f0000000002 (most recent call first):
@@ -79,6 +84,20 @@ def test_a_hung_rank_is_named_with_its_line(tmp_path: Path) -> None:
     assert 'train.py", line 10 in <module>' in out, out
     assert "SIGKILL" not in out, out
     print(f"named after {took:.1f} s (--timeout 10)")
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_that_finished_early_is_named(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(LEAVES)
+    done = run_cli(
+        "run", "--strategy", "ddp", "--nproc", "2", "--cpu", "--timeout", "10",
+        "--out", str(tmp_path / "out"), str(script), cwd=tmp_path, timeout=200,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "waited longer than --timeout" in out, out
+    assert "Rank(s) 1 had already finished their script (exit code 0)" in out, out
 
 
 def test_ranks_stopped_without_a_stack_are_listed_in_one_line() -> None:

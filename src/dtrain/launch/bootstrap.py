@@ -28,7 +28,7 @@ from dtrain.checkpoint.atomic import write_file
 from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.launch.lifeline import die_with_launcher
-from dtrain.launch.stacks import dump_on_stop
+from dtrain.launch.stacks import dump_on_stop, mark_finished
 from dtrain.strategies import lookup
 from dtrain.teardown import exit_now
 
@@ -128,6 +128,8 @@ def main(argv: list[str]) -> int:
             run_target(kind, target, args)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
+            if not e.code:
+                mark_finished()
             return e.code or 0
         print(e.code, file=sys.stderr)  # sys.exit("message"), as Python reports it
         return 1
@@ -137,6 +139,7 @@ def main(argv: list[str]) -> int:
             message, stack = describe(e)
             print(stack or message, file=sys.stderr)
         return 1
+    mark_finished()
     return 0
 
 

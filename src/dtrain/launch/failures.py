@@ -89,6 +89,7 @@ def format_failures(
     failures: dict[int, ProcessFailure],
     role: Callable[[int], str] | None = None,
     stacks: dict[int, str] | None = None,
+    finished: dict[int, float] | None = None,
 ) -> str:
     """One paragraph per failed rank: how it ended and its own traceback or message.
 
@@ -96,7 +97,9 @@ def format_failures(
 
     When one rank fails the agent stops the others with SIGTERM; those are listed last,
     so the rank that caused the failure stands first, each with where it was (`stacks`:
-    the Python stacks they wrote when stopped), which names a rank that hung.
+    the Python stacks they wrote when stopped), which names a rank that hung; ranks that
+    had already finished their script (`finished`: when) are named too, since the others
+    may have waited for them.
     """
     causes = _causes(failures)
     reports: dict[tuple[str, str], list[int]] = {}
@@ -140,5 +143,14 @@ def format_failures(
     if quiet:
         parts.append(
             f"Rank(s) {', '.join(map(str, quiet))} were stopped by the launcher after that."
+        )
+    done = sorted(r for r in finished or {} if r not in failures)
+    if done:
+        parts.append(
+            f"Rank(s) {', '.join(map(str, done))} had already finished their script (exit "
+            "code 0) while the others went on: a rank that skips a collective the others run "
+            "(fewer steps, an early return or break) leaves them waiting until --timeout. "
+            "Every rank must run the same training steps (drop_last=True, the same step "
+            "count on every rank)."
         )
     return "\n\n".join(parts)

@@ -43,7 +43,12 @@ from dtrain.launch.hosts import as_nodes, hosts_of
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
 from dtrain.launch.remote import RANK_PREFIX_VAR
 from dtrain.launch.ssh import launch_over_ssh
-from dtrain.launch.stacks import STACKS_VAR, read_stacks, stopped_workers_continued
+from dtrain.launch.stacks import (
+    STACKS_VAR,
+    read_finished,
+    read_stacks,
+    stopped_workers_continued,
+)
 from dtrain.launch.watch import rendezvous_host_watched
 from dtrain.parallel.data_parallel import OFFLOAD_NEEDS_GPUS
 from dtrain.strategies import lookup
@@ -347,7 +352,9 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
         raise LaunchError(rendezvous_failed(config, e)) from None
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
-        message = format_failures(e.failures, lambda r: role(config, r), read_stacks(stacks))
+        message = format_failures(
+            e.failures, lambda r: role(config, r), read_stacks(stacks), read_finished(stacks)
+        )
         raise LaunchError(message, exit_code=exit_code_of(e.failures)) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""Where each rank was when the job stopped: the stack of a hung rank, named.
+"""Where each rank was when the job stopped: the stack of a hung rank, named; and the
+ranks that had already finished.
 
 When one rank fails (a collective that timed out waiting for a rank that never came, say)
 the agent stops the others with SIGTERM. Each worker dumps the Python stacks of all its
@@ -6,6 +7,10 @@ threads on that signal (`faulthandler`, which runs even while the interpreter is
 C code) into a file of its own, then dies as SIGTERM would kill it; the launcher reads the
 files and shows where each stopped rank was, so the rank that hung is named with the line
 it hung on.
+
+A rank whose script ends while others still wait for it in a collective (it ran fewer
+steps, or returned early) leaves a note of when it finished, so the report says that it
+had finished rather than that it hung.
 
 A rank stopped by SIGSTOP (a debugger, or a stopped terminal job) cannot take SIGTERM
 until it runs again: the agent would wait its 30 s grace and SIGKILL it, leaving no stack.
@@ -21,6 +26,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -41,6 +47,24 @@ def dump_on_stop() -> None:
     file = open(Path(folder) / f"rank-{rank}.txt", "w")  # noqa: SIM115 - held open
     _open_files.append(file)
     faulthandler.register(signal.SIGTERM, file=file, all_threads=True, chain=True)
+
+
+def mark_finished() -> None:
+    """In a worker whose script ended without error: note when (no-op outside `dtrain
+    run`)."""
+    folder = os.environ.get(STACKS_VAR)
+    rank = os.environ.get("RANK")
+    if folder and rank is not None and Path(folder).is_dir():
+        (Path(folder) / f"finished-{rank}.txt").write_text(f"{time.time():.3f}")
+
+
+def read_finished(folder: Path) -> dict[int, float]:
+    """When each rank that finished without error did so (seconds since the epoch)."""
+    finished = {}
+    for path in folder.glob("finished-*.txt"):
+        with contextlib.suppress(ValueError, OSError):
+            finished[int(path.stem[9:])] = float(path.read_text())
+    return finished
 
 
 def read_stacks(folder: Path) -> dict[int, str]:
