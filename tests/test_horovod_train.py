@@ -217,7 +217,7 @@ def test_import_horovod_torch_is_dtrain_horovod() -> None:
         (["-np", "3", "--min-np", "1", "--max-np", "2", "python", "x.py"], "outside --min-np"),
         (["-np", "2"], "Give the command"),
         (["-np", "2", "python", "no_such_script.py"], "does not exist"),
-        (["-np", "2", "./train.sh"], "runs Python scripts"),
+        (["-np", "2", "./no_such_program.sh"], "cannot run './no_such_program.sh'"),
         (["python", "x.py"], "-np N"),
     ],
 )
@@ -240,6 +240,23 @@ def test_horovodrun_hostfile_and_command_forms(tmp_path: Path) -> None:
     assert target_of(["python3", "-u", str(script), "--lr", "1"]).args == ("--lr", "1")
     assert target_of([str(script)]).name == str(script)
     assert target_of(["python", "-m", "pkg.train", "a"]).kind == "module"
+    # Any other program runs as one of its own, found on PATH.
+    assert target_of(["bash", "-c", "true"]).kind == "command"
+    code = target_of([sys.executable, "-c", "print(1)"])
+    assert (code.kind, code.name, code.args) == ("command", sys.executable, ("-c", "print(1)"))
+
+
+@pytest.mark.timeout(120)
+def test_horovodrun_runs_any_command_with_the_rank_variables(tmp_path: Path) -> None:
+    script = tmp_path / "show.sh"
+    script.write_text('echo "rank $HOROVOD_RANK of $HOROVOD_SIZE, torch rank $RANK"\nexit $1\n')
+    run = [sys.executable, "-m", "dtrain.horovod.run", "-np", "2", "bash", str(script)]
+    done = subprocess.run([*run, "0"], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} of 2, torch rank {rank}" in done.stdout
+    failed = subprocess.run([*run, "3"], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert failed.returncode == 3, failed.stdout + failed.stderr
 
 
 def test_wrapped_optimizer_stays_one_with_the_original(one_process: None) -> None:

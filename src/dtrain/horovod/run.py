@@ -137,7 +137,9 @@ def _refuse(args: argparse.Namespace) -> None:
 
 def target_of(command: list[str]) -> Target:
     """What each process runs: ``python SCRIPT ARGS``, ``python -m MODULE ARGS`` or
-    ``SCRIPT ARGS`` (the interpreter is always the one horovodrun runs in)."""
+    ``SCRIPT.py ARGS`` run in horovodrun's own interpreter (so dtrain's launcher runs
+    them in-process and reports their tracebacks); any other command (a shell script,
+    ``pytest``, ``python -c ...``) as a program of its own, with the same variables."""
     words = list(command)
     if words and words[0] == "--":
         words.pop(0)
@@ -146,25 +148,22 @@ def target_of(command: list[str]) -> Target:
             "Give the command to run after the flags, e.g. horovodrun -np 2 python train.py."
         )
     explicit_python = bool(_PYTHON.search(Path(words[0]).name)) or words[0] == sys.executable
-    if explicit_python:
-        words.pop(0)
-        while words and words[0] in _PYTHON_SWITCHES:
-            words.pop(0)
-        if words[:1] == ["-m"] and len(words) > 1:
-            return Target("module", words[1], tuple(words[2:]))
-    if not words or words[0].startswith("-"):
+    rest = words[1:] if explicit_python else words
+    while explicit_python and rest and rest[0] in _PYTHON_SWITCHES:
+        rest = rest[1:]
+    if explicit_python and rest[:1] == ["-m"] and len(rest) > 1:
+        return Target("module", rest[1], tuple(rest[2:]))
+    if rest and not rest[0].startswith("-") and (explicit_python or rest[0].endswith(".py")):
+        target = Target("script", rest[0], tuple(rest[1:]))
+        target.check()
+        return target
+    program = shutil.which(words[0])
+    if program is None:
         raise ConfigError(
-            f"Cannot tell which script to run in {' '.join(command)!r}; write "
-            "`python script.py ARGS`, `python -m module ARGS` or `script.py ARGS`."
+            f"horovodrun cannot run {words[0]!r}: no such program on PATH or file; check the "
+            "command, e.g. horovodrun -np 2 python train.py."
         )
-    if not explicit_python and not words[0].endswith(".py"):
-        raise ConfigError(
-            f"horovodrun on dtrain runs Python scripts, and {words[0]!r} is not one; write "
-            "`python script.py ARGS`."
-        )
-    target = Target("script", words[0], tuple(words[1:]))
-    target.check()
-    return target
+    return Target("command", program, tuple(words[1:]))
 
 
 def _hosts_of(args: argparse.Namespace) -> list[Host] | None:
