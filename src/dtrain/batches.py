@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.errors import SetupError
+from dtrain.errors import ConfigError, SetupError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -137,3 +137,28 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[
     """(the model's output on `batch`, the batch's mean loss)."""
     output = call_model(model, batch)
     return output, batch_loss(output, batch, loss_fn)
+
+
+def check_batch(global_batch: int, dp_size: int, splits: int, grad_accumulation: int) -> int:
+    """The per-worker batch for `global_batch`; a ConfigError if it does not divide evenly."""
+    if global_batch < dp_size:
+        raise ConfigError(
+            f"--global-batch-size {global_batch} is smaller than the {dp_size} data-parallel "
+            "workers; every worker needs at least one sample per step. Raise the batch or use "
+            "fewer processes."
+        )
+    if global_batch % dp_size:
+        raise ConfigError(
+            f"--global-batch-size {global_batch} does not divide evenly over {dp_size} "
+            f"data-parallel workers; use a multiple of {dp_size}, e.g. "
+            f"{(global_batch // dp_size + 1) * dp_size}."
+        )
+    per_worker = global_batch // dp_size
+    parts = splits * grad_accumulation
+    if per_worker % parts:
+        raise ConfigError(
+            f"Each worker's batch of {per_worker} does not split evenly into {splits} part(s) "
+            f"(towers or pipeline micro-batches) x {grad_accumulation} accumulation "
+            f"micro-batch(es); use a global batch that is a multiple of {dp_size * parts}."
+        )
+    return per_worker

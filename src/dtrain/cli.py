@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_demo(config: Config, args: argparse.Namespace) -> None:
-    from dtrain import demo
+    from dtrain import demo_checks
+    from dtrain.batches import check_batch
     from dtrain.launch.hosts import as_nodes, hosts_of
     from dtrain.strategies import lookup
 
@@ -176,11 +177,11 @@ def _check_demo(config: Config, args: argparse.Namespace) -> None:
         config = as_nodes(config, hosts)
 
     dp_size, splits = lookup(config.strategy).batch_layout(config)
-    demo.complete_args(args)
-    demo.check_batch(args.global_batch_size, dp_size, splits, config.grad_accumulation)
+    demo_checks.complete_args(args)
+    check_batch(args.global_batch_size, dp_size, splits, config.grad_accumulation)
     if config.node_rank == 0:
         _check_outputs(config, args.out)
-        demo.claim_out(args)
+        demo_checks.claim_out(args)
 
 
 def _check_run(config: Config, args: argparse.Namespace) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,9 +17,10 @@ import torch
 
 import dtrain
 from dtrain import checkpoint
+from dtrain.batches import check_batch
 from dtrain.config_file import add_config_arg, parse_with_config
+from dtrain.demo_checks import complete_args
 from dtrain.demo_flags import add_training_args
-from dtrain.errors import ConfigError
 from dtrain.flags import add_topology_args
 from dtrain.lr import LRSchedule, scale_lr
 from dtrain.models import build
@@ -30,7 +30,6 @@ from dtrain.observe.logs import LOGGER
 from dtrain.observe.metrics import format_memory, format_table
 from dtrain.tasks import TASKS, make_optimizer
 
-DEFAULT_OUT = "runs/demo"
 DEFAULT_SEED = 0
 """The demo's seed when --seed is not given, so that two runs of it train alike."""
 
@@ -47,65 +46,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_topology_args(parser)
     add_training_args(parser)
     return complete_args(parse_with_config(parser, argv))
-
-
-def complete_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the training flags left unset with the defaults of the model's task, and
-    reject values that cannot work."""
-    task = TASKS[args.model]
-    for flag in ("epochs", "global_batch_size", "lr", "optimizer"):
-        if getattr(args, flag) is None:
-            setattr(args, flag, getattr(task, flag))
-    if args.ref_batch_size is None:
-        args.ref_batch_size = task.global_batch_size
-    args.out = Path(args.out or DEFAULT_OUT)
-    if args.keep_checkpoints < 1:
-        raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}.")
-    return args
-
-
-def claim_out(args: argparse.Namespace) -> None:
-    """Refuse an --out holding an earlier run's checkpoints unless --resume continues it or
-    --overwrite starts afresh (deleting them): mixing two runs there would let a later
-    --resume pick up the wrong one. Called by the launcher, before any process starts."""
-    root = args.out / "checkpoints"
-    if args.resume and args.overwrite:
-        raise ConfigError(
-            "--resume continues the run in --out and --overwrite deletes it; pick one."
-        )
-    if args.resume or not checkpoint.find_latest(root):
-        return
-    if not args.overwrite:
-        raise ConfigError(
-            f"{args.out} already holds checkpoints of an earlier run; add --resume to continue "
-            "it, --overwrite to start afresh (deleting them), or choose another --out."
-        )
-    shutil.rmtree(root)
-
-
-def check_batch(global_batch: int, dp_size: int, splits: int, grad_accumulation: int) -> int:
-    """The per-worker batch for `global_batch`; a ConfigError if it does not divide evenly."""
-    if global_batch < dp_size:
-        raise ConfigError(
-            f"--global-batch-size {global_batch} is smaller than the {dp_size} data-parallel "
-            "workers; every worker needs at least one sample per step. Raise the batch or use "
-            "fewer processes."
-        )
-    if global_batch % dp_size:
-        raise ConfigError(
-            f"--global-batch-size {global_batch} does not divide evenly over {dp_size} "
-            f"data-parallel workers; use a multiple of {dp_size}, e.g. "
-            f"{(global_batch // dp_size + 1) * dp_size}."
-        )
-    per_worker = global_batch // dp_size
-    parts = splits * grad_accumulation
-    if per_worker % parts:
-        raise ConfigError(
-            f"Each worker's batch of {per_worker} does not split evenly into {splits} part(s) "
-            f"(towers or pipeline micro-batches) x {grad_accumulation} accumulation "
-            f"micro-batch(es); use a global batch that is a multiple of {dp_size * parts}."
-        )
-    return per_worker
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """The TRAINING flags of `dtrain demo` (listed in README.md), importable without torch.
 
 The choices come from `dtrain.names`, which the models, optimizers and learning-rate rules
-use too; the defaults left as None are the model's own, filled in by `demo.complete_args`.
+use too; the defaults left as None are the model's own, filled in by `demo_checks.complete_args`.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class Workload:
         cls.check_options(config)
         if self.model is None:
             return
-        from dtrain.demo import check_batch
+        from dtrain.batches import check_batch
         from dtrain.tasks import TASKS
 
         dp_size, splits = cls.batch_layout(config)

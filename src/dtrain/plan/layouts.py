@@ -164,7 +164,7 @@ def enumerate_layouts(nproc: int, nnodes: int, gpus: int) -> list[Layout]:
 
 def check(layout: Layout, global_batch: int, model: object) -> str | None:
     """Why dtrain would refuse `layout` for this batch and model, or None if it runs."""
-    from dtrain.demo import check_batch
+    from dtrain.batches import check_batch
     from dtrain.parallel.split import layers_of, split_layers
     from dtrain.parallel.tensor_plan import plan_of
     from dtrain.strategies import lookup

@@ -1,0 +1,52 @@
+"""The demo's flags completed and checked, before any process starts (the launcher calls
+these) and again in each worker: the model's defaults filled in, --out claimed.
+
+Kept apart from `dtrain.demo` so that checking a command does not import the module the
+launcher then runs as ``__main__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from dtrain import checkpoint
+from dtrain.errors import ConfigError
+from dtrain.tasks import TASKS
+
+DEFAULT_OUT = "runs/demo"
+
+
+def complete_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the training flags left unset with the defaults of the model's task, and
+    reject values that cannot work."""
+    task = TASKS[args.model]
+    for flag in ("epochs", "global_batch_size", "lr", "optimizer"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, getattr(task, flag))
+    if args.ref_batch_size is None:
+        args.ref_batch_size = task.global_batch_size
+    args.out = Path(args.out or DEFAULT_OUT)
+    if args.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}.")
+    return args
+
+
+def claim_out(args: argparse.Namespace) -> None:
+    """Refuse an --out holding an earlier run's checkpoints unless --resume continues it or
+    --overwrite starts afresh (deleting them): mixing two runs there would let a later
+    --resume pick up the wrong one. Called by the launcher, before any process starts."""
+    root = args.out / "checkpoints"
+    if args.resume and args.overwrite:
+        raise ConfigError(
+            "--resume continues the run in --out and --overwrite deletes it; pick one."
+        )
+    if args.resume or not checkpoint.find_latest(root):
+        return
+    if not args.overwrite:
+        raise ConfigError(
+            f"{args.out} already holds checkpoints of an earlier run; add --resume to continue "
+            "it, --overwrite to start afresh (deleting them), or choose another --out."
+        )
+    shutil.rmtree(root)
