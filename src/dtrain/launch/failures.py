@@ -1,9 +1,12 @@
 """What a failed job tells the user: the rendezvous that did not come together, the host
 that holds it lost, and every failed rank with its exit code or signal and its own
-traceback (torch's elastic agent reports the failures; these turn them into sentences)."""
+traceback (torch's elastic agent reports the failures; these turn them into sentences),
+with the machine it lost its connection to, by name, address and ranks, where one was
+lost."""
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Callable
 
@@ -11,6 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from dtrain.config import Config
+from dtrain.launch.machines import Survey
 from dtrain.launch.stacks import where
 
 
@@ -85,10 +89,97 @@ def _timed_out(detail: str) -> bool:
     return "Timed out waiting" in last or ("timed out" in last.lower() and "Watchdog" in last)
 
 
+_PEER_LOST = (
+    # gloo's and the store's socket errors
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "No route to host",
+    "Network is unreachable",
+    # NCCL's
+    "remote process exited or there was a network error",
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+)
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")  # gloo's "[10.0.0.2]:41234"
+
+
+def _exception_text(detail: str) -> str:
+    """The exception's own lines at the end of a traceback (frames are indented)."""
+    lines = detail.strip().splitlines()
+    start = len(lines)
+    while start > 0 and not lines[start - 1].startswith(" "):
+        start -= 1
+    return "\n".join(lines[start:])
+
+
+def _peer_lost(detail: str) -> bool:
+    """Whether a rank's traceback ends in a collective that lost a peer: a timeout, or a
+    connection closed, reset or refused (gloo's, NCCL's or the store's words)."""
+    text = _exception_text(detail)
+    return _timed_out(detail) or any(words in text for words in _PEER_LOST)
+
+
+def _machines_silent(survey: Survey, lost_by_rank: bool) -> str:
+    """The machines of `survey` that do not answer this one, with what to do: as what a
+    rank lost its connection to (`lost_by_rank`), or on their own."""
+    silent, one = survey.silent, len(survey.silent) == 1
+    listed = " and ".join(f"{m.describe()}, where {m.held()} ran" for m in silent)
+    noun, it, does = ("machine", "it", "does") if one else ("machines", "they", "do")
+    if lost_by_rank:
+        said = f"It lost its connection to {noun} {listed}, which {does} not answer this "
+        said += "machine either"
+    else:
+        said = f"{noun.capitalize()} {listed}, {does} not answer this machine"
+    check = "that machine and its" if one else "those machines and their"
+    said += (
+        f": {it} stopped, froze or lost power, or the network between {it} and this "
+        f"machine is down. Check {check} network link, then start the job again."
+    )
+    if len(survey.others) > 1 and len(silent) == len(survey.others):
+        said += " No other machine of the job answers: this machine's own link is the likely cause."
+    host = survey.rendezvous
+    if host is not None and host in silent:
+        return (
+            f"{said} No job goes on without {host.describe()}, the machine that hosts the "
+            "rendezvous (--master): start the command on every machine once it is back."
+        )
+    if survey.elastic:
+        return (
+            f"{said} An elastic job goes on without a machine it loses as long as "
+            "--max-restarts allows; raise it to survive more losses."
+        )
+    rendezvous = "the machine" if host is None else f"{host.describe()}, the machine"
+    return (
+        f"{said} An elastic job (--nnodes MIN:MAX with --max-restarts 1 or more) goes on "
+        f"without a machine it loses, unless that is {rendezvous} that hosts the rendezvous; "
+        "a script that resumes from its last checkpoint continues from there."
+    )
+
+
+def _lost_connection(survey: Survey, detail: str) -> str | None:
+    """What a rank that lost a peer adds to its report: the machines that no longer answer
+    this one; else the machine at the address its error names, which still answers;
+    None if neither."""
+    if survey.silent:
+        return _machines_silent(survey, lost_by_rank=True)
+    found = _PEER_ADDRESS.search(_exception_text(detail))
+    machine = survey.at(found.group(1)) if found else None
+    if machine is None:
+        return None
+    return (
+        f"It lost its connection to machine {machine.describe()}, where {machine.held()} "
+        "ran, which still answers this machine: its ranks stopped (its own output says why), "
+        "or the network between them dropped the connection."
+    )
+
+
 def format_failures(
     failures: dict[int, ProcessFailure],
     role: Callable[[int], str] | None = None,
     stacks: dict[int, str] | None = None,
+    survey: Survey | None = None,
     finished: dict[int, float] | None = None,
 ) -> str:
     """One paragraph per failed rank: how it ended and its own traceback or message.
@@ -100,8 +191,13 @@ def format_failures(
     the Python stacks they wrote when stopped), which names a rank that hung; ranks that
     had already finished their script (`finished`: when) are named too, since the others
     may have waited for them.
+
+    A job of several machines passes what this machine found out about the others
+    (`survey`): a rank that lost a peer is told which machine that was, and a machine
+    that does not answer any more is named even when no rank's error points to it.
     """
     causes = _causes(failures)
+    lost_told = False
     reports: dict[tuple[str, str], list[int]] = {}
     for rank, failure in sorted(causes.items()):
         data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
@@ -118,7 +214,11 @@ def format_failures(
                 detail = ours["message"] if ours["user_error"] else ours["traceback"].rstrip()
             else:
                 detail = "It left no traceback; its own output above shows why it stopped."
-            if _timed_out(detail):
+            lost = _lost_connection(survey, detail) if survey and _peer_lost(detail) else None
+            if lost:
+                detail = f"{detail}\n{lost}"
+                lost_told = lost_told or bool(survey and survey.silent)
+            elif _timed_out(detail):
                 detail = f"{detail}\n{TIMED_OUT}"
         reports.setdefault((how, detail), []).append(rank)
     parts = []
@@ -130,6 +230,8 @@ def format_failures(
         else:
             who = f"Ranks {', '.join(map(str, ranks))}"
         parts.append(f"{who} {how}:\n{detail}")
+    if survey is not None and survey.silent and not lost_told:
+        parts.append(_machines_silent(survey, lost_by_rank=False))
     others = sorted(set(failures) - set(causes))
     stacks = stacks or {}
     located = {r: where(stacks[r]) for r in others if r in stacks}

@@ -41,6 +41,7 @@ from dtrain.launch.failures import (
 )
 from dtrain.launch.hosts import as_nodes, hosts_of
 from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
+from dtrain.launch.machines import PROBE_S, gathering, roster_of
 from dtrain.launch.remote import RANK_PREFIX_VAR
 from dtrain.launch.ssh import launch_over_ssh
 from dtrain.launch.stacks import (
@@ -326,6 +327,7 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
     os.environ[STACKS_VAR] = str(stacks)
     prefixed = os.environ.get(RANK_PREFIX_VAR) == "1"  # a host started over ssh
     rendezvous = _rendezvous(config)
+    roster = roster_of(config, str(rendezvous["rdzv_endpoint"]))
     launch_config = LaunchConfig(
         min_nodes=config.min_nnodes or config.nnodes,
         max_nodes=config.nnodes,
@@ -344,6 +346,7 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
             _host_watched(config, rendezvous),
             bootstrap.damaged_reports_ignored(),
             stopped_workers_continued(),
+            gathering(roster) if roster is not None else contextlib.nullcontext(),
         ):
             elastic_launch(launch_config, sys.executable)(*command)
     except SignalException as e:
@@ -352,8 +355,15 @@ def _run_elastic(config: Config, target: Target, nproc: int) -> None:
         raise LaunchError(rendezvous_failed(config, e)) from None
     except ChildFailedError as e:
         role = lookup(config.strategy).role_of
+        # Which other machines no longer answer, asked after the failure: a rank that lost
+        # its peer on one names it.
+        survey = roster.survey(min(PROBE_S, config.timeout_s)) if roster is not None else None
         message = format_failures(
-            e.failures, lambda r: role(config, r), read_stacks(stacks), read_finished(stacks)
+            e.failures,
+            lambda r: role(config, r),
+            read_stacks(stacks),
+            survey,
+            read_finished(stacks),
         )
         raise LaunchError(message, exit_code=exit_code_of(e.failures)) from None
     finally:

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from dtrain.config import Config
 from dtrain.errors import JOB_FAILED, ConfigError, LaunchError, Stopped
 from dtrain.launch.hosts import Host, as_nodes
+from dtrain.launch.machines import HOST_NAME_VAR
 
 SSH_OPTIONS_VAR = "DTRAIN_SSH_OPTS"
 """Extra ssh options for every login (e.g. ``-o UserKnownHostsFile=...``)."""
@@ -168,7 +169,7 @@ def launch_over_ssh(
             payload = {
                 "config": base.replace(node_rank=0 if min_hosts else node).to_json(),
                 "target": asdict(target),  # type: ignore[call-overload]
-                "env": environment,
+                "env": {**environment, HOST_NAME_VAR: host.name},  # its name in reports
             }
             sessions.append(_Session(node, host, config, payload))
         failed = _wait(sessions, stopped, elastic=min_hosts is not None)
