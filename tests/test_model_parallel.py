@@ -44,6 +44,34 @@ def test_two_ranks_pipeline_schedules_and_tensor_match_single(reference: dict) -
     check_all(run_ranks(train_variants, 2, variants, timeout=220)[0], variants, reference)
 
 
+def first_losses(strategy: str) -> list[float]:
+    """The losses train_step reports for the first 3 steps of the tiny GPT."""
+    from dtrain.datasets import load_text
+
+    engine = dtrain.init(seed=0, strategy=strategy)
+    model = GPT(SIZES["tiny"])
+    model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    train_set, _ = load_text(context=SIZES["tiny"].context)
+    losses = []
+    for batch in engine.dataloader(train_set, batch_size=16):
+        losses.append(float(engine.train_step(batch, lm_loss)))
+        if len(losses) == 3:
+            break
+    del model, optimizer
+    engine.close()
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_the_pipeline_reports_the_losses_single_computes() -> None:
+    """torch calls the loss function once more at the first step, on uninitialised
+    outputs, while it learns the shapes: that call must not reach the reported loss."""
+    pipelined = run_ranks(first_losses, 2, "pipeline", timeout=100)
+    expected = first_losses("single")
+    for losses in pipelined:
+        assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+
+
 def non_finite_and_reshaped_batches() -> list[str]:
     """Under a 2-stage pipeline: a NaN loss stops every rank with the gradients cleared,
     and a batch of another shape than the first is refused. Returns the messages."""

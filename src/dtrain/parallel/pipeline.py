@@ -241,8 +241,6 @@ class Pipeline:
         self.has_last = (num_stages - 1) in stages
         self._loss_fn: LossFn | None = None
         self._scaling: LossScaling | None = None
-        self._losses: list[torch.Tensor] = []
-        """This step's micro-batch losses (divided by M, not by the loss scale)."""
         self._shape: torch.Size | None = None
         self.stages = [
             TimedStage(module, index, num_stages, device, group=group)
@@ -266,7 +264,6 @@ class Pipeline:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
         loss = self._loss_fn(output, target) / self.microbatches
-        self._losses.append(loss.detach())
         # fp16-mixed: the last stage back-propagates the scaled loss, so every stage's
         # gradients carry the scale (each rank unscales its own before the step).
         return loss if self._scaling is None else self._scaling.scale(loss)
@@ -296,15 +293,20 @@ class Pipeline:
                 "batch must have the same shape: keep drop_last=True (engine.dataloader's "
                 "default) and pad sequences to one length."
             )
-        self._loss_fn, self._scaling, self._losses = loss_fn, scaling, []
-        # return_outputs=False: the last stage frees each micro-batch's output after its
-        # backward instead of keeping all M for a merged result nobody reads.
-        self.schedule.step(inputs, target=targets, return_outputs=False)
+        self._loss_fn, self._scaling = loss_fn, scaling
+        # The schedule's own list holds the M micro-batches' losses only: torch also calls
+        # the loss function once on uninitialised outputs while it learns the shapes at
+        # the first step. return_outputs=False: the last stage frees each micro-batch's
+        # output after its backward instead of keeping all M for a merged result.
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         if not self._accumulating:
             self.tied.sum_gradients()
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         if self.has_last:
-            total += sum(loss.double() for loss in self._losses)
+            total += sum(loss.detach().double() for loss in losses)
+            if scaling is not None:  # the losses carry the loss scale (a power of two)
+                total /= scaling.scale(torch.ones((), device=inputs.device)).double()
         dist.broadcast(total, src=self.last_rank, group=self.group)
         for stage in self.stages:
             self.compute_seconds[stage.stage_index] += stage.take_seconds()
