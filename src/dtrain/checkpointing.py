@@ -32,7 +32,7 @@ from dtrain.checkpoint.sharded import ShardedWriter, local_part
 from dtrain.checkpoint.sharded_load import load_sharded
 from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
-from dtrain.collectives import barrier, gather_objects, rank_in
+from dtrain.collectives import gather_objects, rank_in
 from dtrain.errors import CheckpointError
 from dtrain.observe.logs import LOGGER
 from dtrain.position import Position
@@ -83,6 +83,9 @@ class Checkpoints:
         Consolidated: rank 0 writes, every rank waits. Sharded: every rank writes its
         part; with ``async_checkpoint`` the writing goes on in the background (the next
         save, a load and `finish` wait for it) and the checkpoint appears once complete.
+        A write the disk refuses (full, over quota, read-only) raises a CheckpointError on
+        every rank that says what to do (`checkpoint.disk`); the checkpoints before it stay
+        intact.
 
         Args:
             path: the checkpoint directory; replaced atomically if it exists.
@@ -128,22 +131,23 @@ class Checkpoints:
                 **scaler,
             }
             self._sharded.save(path, part, trainer, info, committed)
-            if self.strategy.config.async_checkpoint:
-                return
-        else:
-            tensors, optimizer_state = self.strategy.full_state(self.optimizer)
-            rng_states = gather_objects(rng.get_state(), group)
-            if self.is_main:
-                assert tensors is not None
-                trainer = {
-                    **position,
-                    "shuffle_seed": self.position.shuffle_seed,
-                    "rng_per_rank": rng_states,
-                    **scaler,
-                }
-                checkpoint.write(path, tensors, optimizer_state, trainer, info)
-                committed()
-        barrier(group)
+            return
+        tensors, optimizer_state = self.strategy.full_state(self.optimizer)
+        rng_states = gather_objects(rng.get_state(), group)
+
+        def write() -> None:
+            assert tensors is not None
+            trainer = {
+                **position,
+                "shuffle_seed": self.position.shuffle_seed,
+                "rng_per_rank": rng_states,
+                **scaler,
+            }
+            checkpoint.write(path, tensors, optimizer_state, trainer, info)
+            committed()
+
+        # The other ranks wait for it, and raise its error (a full disk) if it fails.
+        decided_by_main(write, group, self.is_main)
 
     def saved(self, path: str | Path) -> bool:
         """Whether the newest checkpoint beside `path` is `path`, intact (or is being

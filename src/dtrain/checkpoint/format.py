@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.atomic import atomic_directory, file_records
+from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
 from dtrain.checkpoint.lazy import LazyTensors
 from dtrain.checkpoint.names import canonical_name, canonical_state_dict
 from dtrain.errors import CheckpointError
@@ -72,7 +74,8 @@ def write(
     trainer: dict[str, Any],
     info: dict[str, Any],
 ) -> None:
-    """Write a complete checkpoint directory at `path`, atomically.
+    """Write a complete checkpoint directory at `path`, atomically; a CheckpointError
+    saying what to do if the disk refuses it (`disk.writing`), with `path` as it was.
 
     Args:
         path: the checkpoint directory (replaced if it exists).
@@ -81,13 +84,14 @@ def write(
         trainer: data position and RNG state (tensors and plain values).
         info: manifest fields: at least step, epoch, strategy, world_size, model_class.
     """
-    with atomic_directory(Path(path)) as tmp:
+    size = stored_bytes(tensors, optimizer_state, trainer)
+    with writing(path, size), atomic_directory(Path(path)) as tmp:
         safetensors.torch.save_file(
             unshared(tensors), tmp / MODEL_FILE, metadata={"format": FORMAT}
         )
         if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        torch.save(trainer, tmp / TRAINER_FILE)
+            save_pt(optimizer_state, tmp / OPTIMIZER_FILE)
+        save_pt(trainer, tmp / TRAINER_FILE)
         table = {k: (list(v.shape), v.dtype) for k, v in tensors.items()}
         files = file_records(tmp, sorted(f.name for f in tmp.iterdir()))
         write_manifest(tmp, FORMAT, info, table, files)
@@ -219,7 +223,24 @@ def read_pt(path: Path, name: str, mmap: bool = False) -> Any:
     file = Path(path) / name
     if not file.is_file():
         return None
-    return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    return load_pt(file, "Load checkpoints written by code you trust.", mmap)
+
+
+def load_pt(file: Path, advice: str, mmap: bool = False) -> Any:
+    """`torch.load` of `file` with weights_only=True, on the CPU; a CheckpointError if it
+    is no PyTorch file, or holds objects other than tensors and plain values (then the
+    message ends with `advice`)."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{file} holds Python objects that dtrain will not unpickle, since unpickling can "
+            f"run arbitrary code ({str(e).splitlines()[0]}). {advice}"
+        ) from None
+    except (RuntimeError, EOFError) as e:
+        raise CheckpointError(
+            f"{file} cannot be read as a PyTorch file ({e}); it may be truncated or corrupt."
+        ) from None
 
 
 def check_fit(

@@ -9,14 +9,15 @@ no arbitrary object is unpickled), its model state found and renamed canonically
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
-from dtrain.checkpoint.format import unshared
+from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
+from dtrain.checkpoint.format import load_pt, unshared
 from dtrain.checkpoint.names import canonical_state_dict
 from dtrain.errors import CheckpointError
 
@@ -49,19 +50,18 @@ def read_file(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist; pass a checkpoint directory or file.")
     if path.suffix == ".safetensors":
-        return safetensors.torch.load_file(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"{path} holds Python objects that dtrain will not unpickle, since unpickling can "
-            f"run arbitrary code ({str(e).splitlines()[0]}). Re-save only tensors, e.g. "
-            "torch.save(model.state_dict(), path), from code you trust."
-        ) from None
-    except (RuntimeError, EOFError) as e:
-        raise CheckpointError(
-            f"{path} cannot be read as a PyTorch file ({e}); it may be truncated or corrupt."
-        ) from None
+        try:
+            return safetensors.torch.load_file(path)
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"{path} cannot be read as a safetensors file ({e}); it is truncated or "
+                "corrupt, or another format under a .safetensors name (a torch.save file "
+                "takes .pt)."
+            ) from None
+    return load_pt(
+        path,
+        "Re-save only tensors, e.g. torch.save(model.state_dict(), path), from code you trust.",
+    )
 
 
 def find_model_state(content: Any, path: Path) -> dict[str, torch.Tensor]:
@@ -92,12 +92,17 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def write_plain(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Export `tensors` as a plain state_dict: torch.save, or safetensors by suffix."""
+    """Export `tensors` as a plain state_dict: torch.save, or safetensors by suffix; a
+    CheckpointError saying what to do if the disk refuses it (`disk.writing`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    if path.suffix == ".safetensors":
-        safetensors.torch.save_file(unshared(tensors), tmp)
-    else:
-        torch.save(tensors, tmp)
-    tmp.replace(path)
+    with writing(path, stored_bytes(tensors)):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.suffix == ".safetensors":
+                safetensors.torch.save_file(unshared(tensors), tmp)
+            else:
+                save_pt(tensors, tmp)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)

@@ -15,20 +15,21 @@ the main rank renames into place with its manifest once every piece is on disk.
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
 
 from dtrain.checkpoint.atomic import commit, file_records, temporary_beside
 from dtrain.checkpoint.dcp_io import alone_quietly, model_entries, read_metadata
+from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
 from dtrain.checkpoint.flat_optimizer import flatten
 from dtrain.checkpoint.format import SHARDED_FORMAT, TRAINER_FILE, write_manifest
 from dtrain.checkpoint.optimizer_state import state_by_name
@@ -95,6 +96,8 @@ class ShardedWriter:
         self.pending_target: Path | None = None
         """Where the save in flight will appear."""
         self._pending: Future[Any] | None = None
+        self._pending_size: int | None = None
+        """What this rank had to write of the save in flight, in bytes."""
         self._executor: ThreadPoolExecutor | None = None
         self._background_group: dist.ProcessGroup | None = None
 
@@ -115,38 +118,47 @@ class ShardedWriter:
         place. In the background with ``async_checkpoint``."""
         self.wait()
         group = self.strategy.train_group
+        size = stored_bytes(part.state, trainer)
 
         def start() -> Path:
-            tmp = temporary_beside(target)
-            torch.save(trainer, tmp / TRAINER_FILE)
+            with writing(target, size):
+                tmp = temporary_beside(target)
+            with writing(target, size, partial=tmp):
+                save_pt(trainer, tmp / TRAINER_FILE)
             return tmp
 
         tmp = decided_by_main(start, group, self._main)
-        unfinished = _Unfinished(tmp, target, info, on_commit)
+        unfinished = _Unfinished(tmp, target, info, on_commit, size)
         background = self.strategy.config.async_checkpoint
-        try:
-            upload = self._write(part, tmp, background)
+        # Whatever fails, every rank raises (the main rank's error where it alone failed).
+        with unfinished.guarded(self._main):
             if background:
-                self._hand_over(upload, unfinished)
-                return
-            if part.alone:
-                records = file_records(tmp, _files(tmp)) if self._main else {}
+                self._hand_over(self._write(part, tmp, background), unfinished)
+            elif part.alone:
+                decided_by_main(lambda: self._write_alone(part, unfinished), group, self._main)
             else:
-                # Every rank checksums a share of the files, in parallel.
-                me, size = rank_in(group)
-                names = _files(tmp)
-                shares = gather_objects(file_records(tmp, names[me::size]), group)
-                records = {name: record for share in shares for name, record in share.items()}
-            if self._main:
-                unfinished.finish(records)
-        except BaseException:
-            if self._main:
-                unfinished.discard()
-            raise
+                self._write(part, tmp, background)  # DCP tells every rank of any failure
+                records = self._records(tmp)
+                decided_by_main(lambda: unfinished.finish(records), group, self._main)
+
+    def _write_alone(self, part: Part, unfinished: _Unfinished) -> None:
+        """Main rank: write the whole state `part` and finish the checkpoint."""
+        with unfinished.guarded(main=True):
+            self._write(part, unfinished.tmp, background=False)
+            unfinished.finish(file_records(unfinished.tmp, _files(unfinished.tmp)))
+
+    def _records(self, tmp: Path) -> dict[str, dict[str, object]]:
+        """The size and checksum of every file in `tmp`; every rank checksums a share of
+        the files, in parallel."""
+        group = self.strategy.train_group
+        me, ranks = rank_in(group)
+        shares = gather_objects(file_records(tmp, _files(tmp)[me::ranks]), group)
+        return {name: record for share in shares for name, record in share.items()}
 
     def _hand_over(self, upload: Future[Any] | None, unfinished: _Unfinished) -> None:
         """Let the upload run on; the main rank finishes the checkpoint once it is done."""
         self.pending_target = unfinished.target
+        self._pending_size = unfinished.size
         if not self._main:
             self._pending = upload
             return
@@ -172,14 +184,18 @@ class ShardedWriter:
         return upload if background else None
 
     def wait(self) -> None:
-        """Return once the save in flight (if any) is on disk; its error if it failed."""
+        """Return once the save in flight (if any) is on disk; its error if it failed (the
+        disk's refusal as `disk.writing` words it)."""
         pending, target = self._pending, self.pending_target
         self._pending = self.pending_target = None
-        if pending is None:
+        if pending is None or target is None:
             return
         try:
-            pending.result()
-        except Exception as e:
+            with writing(target, self._pending_size):
+                pending.result()
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(
                 f"The background save of {target} failed ({type(e).__name__}: {e}); the "
                 "checkpoints before it are intact. Check the disk and save again."
@@ -214,25 +230,27 @@ class _Unfinished:
     target: Path
     info: dict[str, Any]
     on_commit: Callable[[], None]
+    size: int
+    """What this rank writes of it, in bytes (about)."""
+
+    def guarded(self, main: bool) -> contextlib.AbstractContextManager[None]:
+        """`disk.writing` of this checkpoint: the main rank removes `tmp` if the block
+        fails."""
+        return writing(self.target, self.size, partial=self.tmp if main else None)
 
     def finish(self, records: dict[str, dict[str, object]]) -> None:
         """Main rank, every piece on disk: write the manifest (`records`: every file's
         size and checksum), rename into place, then `on_commit`."""
-        model = model_entries(read_metadata(self.tmp))
-        write_manifest(self.tmp, SHARDED_FORMAT, self.info, model, records)
-        commit(self.tmp, self.target)
+        with self.guarded(main=True):
+            model = model_entries(read_metadata(self.tmp))
+            write_manifest(self.tmp, SHARDED_FORMAT, self.info, model, records)
+            commit(self.tmp, self.target)
         self.on_commit()
-
-    def discard(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _finish_after(upload: Future[Any] | None, unfinished: _Unfinished) -> None:
     """Main rank, in the background: wait for the upload, then finish the checkpoint."""
-    try:
+    with unfinished.guarded(main=True):
         if upload is not None:
             upload.result()
         unfinished.finish(file_records(unfinished.tmp, _files(unfinished.tmp)))
-    except BaseException:
-        unfinished.discard()
-        raise
