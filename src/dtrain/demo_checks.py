@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dtrain import checkpoint
 from dtrain.errors import ConfigError
+from dtrain.models import check_size
 from dtrain.tasks import TASKS
 
 DEFAULT_OUT = "runs/demo"
@@ -21,6 +22,7 @@ DEFAULT_OUT = "runs/demo"
 def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the training flags left unset with the defaults of the model's task, and
     reject values that cannot work."""
+    check_size(args.model, args.model_size)
     task = TASKS[args.model]
     for flag in ("epochs", "global_batch_size", "lr", "optimizer"):
         if getattr(args, flag) is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain.config import Config
+from dtrain.config import MAX_TIMEOUT_S, Config
 from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.horovod import basics
 from dtrain.horovod.elastic import durable
@@ -317,6 +317,12 @@ def run(args: argparse.Namespace) -> None:
         config = Config(nproc=nproc, max_restarts=reset_limit(args))
     target = target_of(args.command)
     if args.gloo_timeout_seconds is not None:
+        if not 0 < args.gloo_timeout_seconds <= MAX_TIMEOUT_S:  # false for nan too
+            raise ConfigError(
+                "--gloo-timeout-seconds must be a number of seconds above 0 and at most "
+                f"{MAX_TIMEOUT_S} (a week), got {args.gloo_timeout_seconds:g}; the default "
+                "is 600."
+            )
         config = config.replace(timeout_s=args.gloo_timeout_seconds)
     saved = dict(os.environ)
     try:

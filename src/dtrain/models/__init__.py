@@ -10,17 +10,21 @@ from dtrain.models.gpt import GPT, SIZES
 from dtrain.names import MODELS
 
 
+def check_size(name: str, size: str | None) -> None:
+    """Refuse a --model-size the bundled model `name` does not have (only gpt has sizes)."""
+    if name != "gpt" and size is not None:
+        raise ConfigError(f"--model-size applies to --model gpt only, not '{name}'.")
+    if name == "gpt" and size is not None and size not in SIZES:
+        raise ConfigError(
+            f"Unknown --model-size '{size}' for gpt; choose one of {', '.join(SIZES)}."
+        )
+
+
 def build(name: str, size: str | None = None) -> nn.Module:
     """A fresh instance of the bundled model `name` (gpt: of `size`, default tiny)."""
+    check_size(name, size)
     if name == "gpt":
-        size = size or "tiny"
-        if size not in SIZES:
-            raise ConfigError(
-                f"Unknown --model-size '{size}' for gpt; choose one of {', '.join(SIZES)}."
-            )
-        return GPT(SIZES[size])
-    if size is not None:
-        raise ConfigError(f"--model-size applies to --model gpt only, not '{name}'.")
+        return GPT(SIZES[size or "tiny"])
     if name == "cnn":
         return DigitsCNN()
     if name == "mlp":

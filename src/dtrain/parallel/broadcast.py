@@ -55,3 +55,5 @@ def broadcast_model(
         dist.broadcast(flat, src=source, group=group)
         for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
             t.copy_(part.view_as(t))
+        # Free this bucket before the next one is built: one bucket at a time at the peak.
+        del flat, part

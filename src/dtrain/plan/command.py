@@ -46,7 +46,12 @@ def check_job(args: argparse.Namespace, batch: int) -> None:
             f"--nproc and --nnodes must be at least 1, got {args.nproc} and {args.nnodes}."
         )
     world = args.nproc * args.nnodes
-    if batch < 1 or batch % world:
+    if batch < 1:
+        raise ConfigError(
+            f"--global-batch-size must be at least 1, got {batch}; give the samples of one "
+            "step, or drop the flag for the model's default."
+        )
+    if batch % world:
         raise ConfigError(
             f"--global-batch-size {batch} does not divide evenly over the {world} processes "
             f"of --nproc {args.nproc} x --nnodes {args.nnodes}; use a multiple of {world}, "

@@ -76,6 +76,7 @@ class PipelineParallel(ModelParallel):
 
     name = "pipeline"
     order = 40
+    supports_sync_batchnorm = False  # no data-parallel ranks to normalise over
 
 
 @register
@@ -84,6 +85,7 @@ class TensorParallel(ModelParallel):
 
     name = "tensor"
     order = 41
+    supports_sync_batchnorm = False  # no data-parallel ranks to normalise over
 
 
 @register
