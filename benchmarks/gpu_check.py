@@ -142,33 +142,18 @@ def run_case(case: Case, out: Path, cpu: bool) -> Row:
     ]
     if cpu:
         command.append("--cpu")
-    env = _env()
-    start = time.monotonic()
-    try:
-        done = subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=case.timeout_s
-        )
-    except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        (folder / "log.txt").write_text(log)
-        return Row(
-            case.name,
-            "HUNG",
-            seconds=time.monotonic() - start,
-            detail=f"no exit within {case.timeout_s} s",
-        )
-    seconds = time.monotonic() - start
-    log = done.stdout + done.stderr
-    (folder / "log.txt").write_text(" ".join(command) + "\n" + log)
+    log, code, seconds = _run(command, _env(), case.timeout_s, folder / "log.txt")
+    if code is None:
+        return Row(case.name, "HUNG", seconds=seconds, detail=f"no exit within {case.timeout_s} s")
     if case.expect_refusal is not None:
-        refused = done.returncode != 0 and case.expect_refusal in log
+        refused = code != 0 and case.expect_refusal in log
         return Row(
             case.name,
             "ok" if refused else "FAIL",
             seconds=seconds,
             detail="refused by name" if refused else _last_line(log),
         )
-    if done.returncode != 0 or not metrics.is_file():
+    if code != 0 or not metrics.is_file():
         return Row(case.name, "FAIL", seconds=seconds, detail=_last_line(log))
     data = json.loads(metrics.read_text())
     peaks = data.get("peak_memory_bytes") or [0]
@@ -187,6 +172,25 @@ def run_case(case: Case, out: Path, cpu: bool) -> Row:
     elif not data.get("breakdown"):
         row.status, row.detail = "FAIL", "no step-time breakdown in the metrics"
     return row
+
+
+def _run(
+    command: list[str], env: dict[str, str], timeout_s: int, log_file: Path
+) -> tuple[str, int | None, float]:
+    """Run `command` from the checkout's root, its output kept in `log_file`; return (its
+    output, its exit code or None if it outlived `timeout_s`, seconds taken)."""
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired as e:
+        log = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        log_file.write_text(log)
+        return log, None, time.monotonic() - start
+    log = done.stdout + done.stderr
+    log_file.write_text(" ".join(command) + "\n" + log)
+    return log, done.returncode, time.monotonic() - start
 
 
 def _env() -> dict[str, str]:
@@ -254,21 +258,12 @@ def horovod_probe(out: Path, cpu: bool) -> Row:
         "--epochs",
         "2",
     ]
-    start = time.monotonic()
-    try:
-        done = subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150
-        )
-    except subprocess.TimeoutExpired:
-        return Row("horovod-np1", "HUNG", seconds=150.0, detail="no exit within 150 s")
-    log = done.stdout + done.stderr
-    (out / "horovod.log").write_text(log)
-    ok = done.returncode == 0 and "accuracy" in log.lower()
+    log, code, seconds = _run(command, env, 150, out / "horovod.log")
+    if code is None:
+        return Row("horovod-np1", "HUNG", seconds=seconds, detail="no exit within 150 s")
+    ok = code == 0 and "accuracy" in log.lower()
     return Row(
-        "horovod-np1",
-        "ok" if ok else "FAIL",
-        seconds=time.monotonic() - start,
-        detail="" if ok else _last_line(log),
+        "horovod-np1", "ok" if ok else "FAIL", seconds=seconds, detail="" if ok else _last_line(log)
     )
 
 

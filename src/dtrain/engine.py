@@ -37,7 +37,7 @@ from dtrain.observe.progress import Throughput, steady_rate
 from dtrain.observe.report import RunReport
 from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal
-from dtrain.parallel.materialize import DeferredInit, materialize
+from dtrain.parallel import materialize
 from dtrain.position import Position
 from dtrain.precision import LossScaling
 from dtrain.rng import drawn_seed
@@ -184,19 +184,6 @@ class Engine:
         with torch.device("meta"):
             yield
 
-    def _initialise_empty(self, model: nn.Module) -> None:
-        """For a model built on the meta device: materialise and initialise it whole on the
-        device here, or hand the strategy what it needs to do so for its part."""
-        rng = self._empty_rng if self._empty_rng is not None else torch.get_rng_state()
-        deferred = DeferredInit.of(model, rng)
-        if deferred is None:
-            return
-        if self.strategy.places_parts:
-            self.strategy.deferred = deferred.from_first_rank()
-            return
-        materialize(model, self.topology.device)
-        deferred.initialise(model)
-
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -211,7 +198,10 @@ class Engine:
             check_split(optimizer, self.strategy.name, self.strategy.splits_model)
             self._step_refusal = train_step_refusal(optimizer)
         kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
-        self._initialise_empty(model)
+        rng = self._empty_rng if self._empty_rng is not None else torch.get_rng_state()
+        self.strategy.deferred = materialize.prepare(
+            model, rng, self.strategy.places_parts, self.topology.device
+        )
         self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
         self.checkpoints.optimizer = optimizer

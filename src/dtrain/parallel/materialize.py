@@ -204,3 +204,20 @@ def _copy_held(tensor: torch.Tensor, values: torch.Tensor) -> None:
     )
     part = values[tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))]
     tensor.to_local().copy_(part)
+
+
+def prepare(
+    model: nn.Module, rng_state: torch.Tensor, places_parts: bool, device: torch.device
+) -> DeferredInit | None:
+    """At setup, for a model built on the meta device: materialise and initialise it whole
+    on `device` now; or, where the strategy places only this rank's part (`places_parts`),
+    return what it needs to do so part by part. None: nothing left to do (a built model
+    too)."""
+    deferred = DeferredInit.of(model, rng_state)
+    if deferred is None:
+        return None
+    if places_parts:
+        return deferred.from_first_rank()
+    materialize(model, device)
+    deferred.initialise(model)
+    return None
