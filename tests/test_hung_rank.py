@@ -8,6 +8,7 @@ launcher shows where it was."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,7 +82,9 @@ def test_a_hung_rank_is_named_with_its_line(tmp_path: Path) -> None:
     assert done.returncode != 0, out
     assert "Rank 0" in out and "waited longer than --timeout" in out, out
     assert "Rank 1 was still running when the launcher stopped it" in out, out
-    assert 'train.py", line 10 in <module>' in out, out
+    # Line 10, where it stopped; or 11: SIGTERM may land on another of its threads, and
+    # the main thread, continued, runs on to the next line before the dump.
+    assert re.search(r'train\.py", line 1[01] in <module>', out), out
     assert "SIGKILL" not in out, out
     print(f"named after {took:.1f} s (--timeout 10)")
 

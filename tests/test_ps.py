@@ -128,7 +128,9 @@ def test_async_demo_reaches_95_percent(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_ssp_demo_reaches_95_percent_and_keeps_the_step_gap(tmp_path: Path) -> None:
-    metrics = demo(tmp_path, "--ps-mode", "ssp", "--staleness", "1")
+    # As for async: stale gradients slow ssp down on a loaded machine; a few more epochs
+    # than the default keep the bar above 95% there too (it reached 92% in 12 once).
+    metrics = demo(tmp_path, "--ps-mode", "ssp", "--staleness", "1", "--epochs", "16")
     assert metrics["test_accuracy"] >= 0.95
     assert 0 <= metrics["ps_max_step_gap"] <= 1
 
