@@ -17,7 +17,7 @@ from torch.testing import assert_close
 from training import finish
 
 import dtrain
-from dtrain.parallel.pipeline import untouched
+from dtrain.parallel.schedule import untouched
 from dtrain.parallel.split import Stage, check_stages, layers_of, split_layers
 
 VOCAB, DIM, CONTEXT = 32, 8, 6

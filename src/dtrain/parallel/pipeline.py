@@ -13,19 +13,12 @@ keeps it: a copy on each stage that uses it, the copies' gradients summed once a
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 from torch.distributed.tensor import DTensor
 
 from dtrain.errors import ConfigError, SetupError
@@ -52,77 +45,6 @@ def check_schedule(schedule: str, microbatches: int, pp: int) -> None:
                 f"{rounds} equal rounds (max(1, M // --pp {pp})), which they do not divide "
                 f"into; use a multiple of {pp}."
             )
-
-
-@contextlib.contextmanager
-def untouched(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Inside the block `module` may run: afterwards its buffers (running statistics,
-    counters) hold their values from before and the random number generators their
-    states. Plain Python attributes changed by a forward are not restored."""
-    saved = [
-        (owner, name, buffer.detach().clone())
-        for owner in module.modules()
-        for name, buffer in owner.named_buffers(recurse=False)
-    ]
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        yield
-    # The copies taken before go back in place of the buffers, not into them: autograd
-    # saved some buffers (BatchNorm's running statistics) for the backward that torch
-    # infers next, and writing into them would fail that backward's version check.
-    for owner, name, value in saved:
-        setattr(owner, name, value)
-
-
-class TimedStage(PipelineStage):
-    """A pipeline stage that adds up the time it computes (each micro-batch's forward and
-    backward), so the idle time of the stage, and any imbalance between stages, can be
-    told apart from its work. On GPUs it records CUDA events, read once a step is over."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.seconds = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def _timed(self, run: Callable[[], Any]) -> Any:
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            result = run()
-            end.record()
-            self._events.append((start, end))
-            return result
-        began = time.perf_counter()
-        result = run()
-        self.seconds += time.perf_counter() - began
-        return result
-
-    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        # torch learns the activation shapes at the first step by a training-mode forward
-        # of the first micro-batch (of uninitialised tensors past the first stage): one
-        # the unsplit model never runs, so it must leave no trace in buffers or RNG draws.
-        with untouched(self.submod, self.device):
-            return super()._forward_metadata_inference(*args, **kwargs)
-
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
-
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
-
-    def take_seconds(self, wait: bool = False) -> float:
-        """Compute seconds since the last call. On GPUs only the micro-batches the device
-        has finished are counted (the rest at a later call), unless `wait`: the step never
-        waits for the device to read its timers."""
-        pending = []
-        for start, end in self._events:
-            if wait or end.query():
-                end.synchronize()
-                self.seconds += start.elapsed_time(end) / 1000
-            else:
-                pending.append((start, end))
-        self._events = pending
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -242,6 +164,10 @@ class Pipeline:
         self._loss_fn: LossFn | None = None
         self._scaling: LossScaling | None = None
         self._shape: torch.Size | None = None
+        # Imported here: torch's pipelining pulls in its compiler (a second or more of
+        # start-up per process), which runs without a pipeline never need.
+        from dtrain.parallel.schedule import TimedStage, schedule_for
+
         self.stages = [
             TimedStage(module, index, num_stages, device, group=group)
             for index, module in sorted(stages.items())
@@ -255,11 +181,7 @@ class Pipeline:
         # Each micro-batch's loss is divided by M here (not by the schedule afterwards) so
         # gradients accumulated over several steps are never rescaled.
         options = {"loss_fn": self._scaled_loss, "scale_grads": False}
-        if schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, microbatches, **options)
-        else:
-            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-            self.schedule = kind(self.stages[0], microbatches, **options)
+        self.schedule = schedule_for(schedule, self.stages, microbatches, **options)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None

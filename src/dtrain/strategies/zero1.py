@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError, SetupError
@@ -38,6 +37,10 @@ class Zero1(DDP):
         if has_stepped(optimizer):
             raise ConfigError(NOT_FRESH)
         wrapped, _ = super().setup(model, None)
+        # Imported where used: torch.distributed.optim scripts its functional optimizers
+        # at import (a third of a second per process) that other strategies never need.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         first, *rest = optimizer.param_groups
         sharded = ZeroRedundancyOptimizer(
             first["params"],
@@ -55,6 +58,8 @@ class Zero1(DDP):
     def full_state(
         self, optimizer: Optimizer | None
     ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
         # Rank 0 alone holds the consolidated state: skip the mesh's every-rank gathering.
@@ -70,6 +75,8 @@ class Zero1(DDP):
         """Every rank loads the whole model and hands the whole optimizer state to
         ZeroRedundancyOptimizer, which keeps the state of its own shard of the parameters
         (the mesh's DCP loader would first ask it for a consolidated state it lacks)."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         groups = optimizer.param_groups if optimizer is not None else []
         skipped = Strategy.load_full_state(self, tensors, optimizer, optimizer_state, strict)
         if isinstance(optimizer, ZeroRedundancyOptimizer) and optimizer.param_groups is not groups:
