@@ -24,10 +24,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from dtrain.checkpoint.format import INDEX
 from dtrain.errors import CheckpointError
 
-INDEX = ".metadata"
-"""DCP's index of the pieces each rank wrote."""
 MODEL = "model."
 OPTIMIZER = "optim."
 """Prefixes of the model's and the optimizer's entries in the index."""

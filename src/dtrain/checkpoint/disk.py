@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.observe.memory import local_bytes
@@ -63,6 +62,10 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 def os_error_of(error: BaseException) -> OSError | None:
     """The OSError behind `error` (itself, its cause or context, a rank's failure inside a
     CheckpointException, the OS error a SafetensorError quotes), or None."""
+    # Imported here: the launcher reads checkpoints' folders through this package and has
+    # no use for torch.distributed.checkpoint (most of a second to import).
+    from torch.distributed.checkpoint.api import CheckpointException
+
     pending, seen = [error], set()
     while pending:
         current = pending.pop()

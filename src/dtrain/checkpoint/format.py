@@ -38,6 +38,8 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_FILE = "trainer.pt"
+INDEX = ".metadata"
+"""DCP's index of the pieces each rank wrote (in a sharded checkpoint)."""
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -6,8 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.checkpoint.atomic import sha256_file
-from dtrain.checkpoint.dcp_io import INDEX
-from dtrain.checkpoint.format import MANIFEST, MODEL_FILE, TRAINER_FILE, is_sharded, read_manifest
+from dtrain.checkpoint.format import (
+    INDEX,
+    MANIFEST,
+    MODEL_FILE,
+    TRAINER_FILE,
+    is_sharded,
+    read_manifest,
+)
 
 
 def verify(path: Path) -> list[str]:

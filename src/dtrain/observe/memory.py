@@ -12,20 +12,23 @@ buckets, communication buffers and the gathered parameters of blocks in flight.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes held by this rank for `tensors` (the local shard of DTensors)."""
+    # A DTensor exists only once torch.distributed.tensor was imported; not importing it
+    # here keeps the launcher, which sizes checkpoints through this function, light.
+    dtensor = sys.modules.get("torch.distributed.tensor")
     total = 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
         total += local.numel() * local.element_size()
     return total
 
