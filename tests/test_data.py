@@ -68,14 +68,17 @@ def test_a_data_set_smaller_than_one_global_batch_is_refused() -> None:
         ShardedBatchSampler(10, 8, dp_size=2)
 
 
-def test_a_stream_is_refused_with_what_to_do() -> None:
+def test_a_stream_is_loaded_in_its_own_order_and_not_shuffled() -> None:
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):  # type: ignore[no-untyped-def]
             yield from range(10)
 
     engine = dtrain.init(strategy="single")
-    with pytest.raises(SetupError, match="Shard the stream yourself"):
-        engine.dataloader(Stream(), batch_size=2)
+    loader = engine.dataloader(Stream(), batch_size=4)  # the last 2 samples are dropped
+    assert [batch.tolist() for batch in engine.progress(loader)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ConfigError, match="shuffle the stream itself"):
+        engine.dataloader(Stream(), batch_size=2, shuffle=True)
+    engine.close()
 
 
 def unsharded_warning() -> str:

@@ -42,6 +42,7 @@ from dtrain.position import Position
 from dtrain.precision import LossScaling
 from dtrain.rng import drawn_seed
 from dtrain.strategies import Strategy
+from dtrain.streams import is_stream
 from dtrain.teardown import close_at_exit, forget
 from dtrain.topology import Topology
 
@@ -265,7 +266,7 @@ class Engine:
         self,
         dataset: Dataset,
         batch_size: int | None = None,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         drop_last: bool = True,
         *,
         global_batch_size: int | None = None,
@@ -274,7 +275,12 @@ class Engine:
         """A loader giving this worker its share of each global batch.
 
         Args:
-            dataset: a map-style dataset of (input, target) samples.
+            dataset: a map-style dataset of (input, target) samples, or a stream (an
+                IterableDataset): its i-th sample of an epoch goes to global batch i // B
+                and to worker (i % B) // b (b = B / dp_size); each worker, and each of its
+                DataLoader workers, reads the whole stream and keeps its own batches, so
+                every sample is trained once, whatever the number of workers (see
+                `dtrain.streams`). After `load`, `progress` skips the trained samples.
             batch_size: samples per worker per step; the global batch is this times
                 `engine.dp_size`.
             global_batch_size: instead of `batch_size`, the samples of one step over all
@@ -283,15 +289,27 @@ class Engine:
                 without one, by a seed drawn from torch's generator now (rank 0's draw: a
                 collective over the training processes), so that a script seeded before
                 this call shuffles alike in every run, as with ``DataLoader(shuffle=True)``.
+                Default: True for a map-style dataset; a stream is read in its own order
+                (shuffle=True on one is refused: shuffle the stream itself, by epoch).
             drop_last: drop the epoch's last incomplete global batch (keep True for
-                training; use False for evaluation).
+                training; use False for evaluation, where every sample is seen once and a
+                worker without a share of the last batch has one batch fewer).
             loader_kwargs: passed to `torch.utils.data.DataLoader` (num_workers, ...).
         """
+        if shuffle is None:
+            shuffle = not is_stream(dataset)
         seed = self.config.seed
         if seed is None:
             seed = drawn_seed(self.strategy.train_group) if shuffle else 0
         return self._feeder.loader(
-            dataset, batch_size, global_batch_size, shuffle, drop_last, seed=seed, **loader_kwargs
+            dataset,
+            batch_size,
+            global_batch_size,
+            shuffle,
+            drop_last,
+            seed=seed,
+            collective_forward=self.strategy.collective_forward,
+            **loader_kwargs,
         )
 
     def progress(

@@ -1,5 +1,6 @@
 """The Engine's data side: loaders that give each data-parallel worker its share of every
-global batch, and the epochs it iterates with a progress bar, resuming mid-epoch."""
+global batch (of a map-style dataset here, of a stream in `dtrain.streams`), and the epochs
+it iterates with a progress bar, resuming mid-epoch."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 
 from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
-from dtrain.errors import SetupError
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.progress import Throughput, track
 from dtrain.position import Position
+from dtrain.streams import StreamShare, as_is, is_stream, stream_share
 
 
 class Feeder:
@@ -56,28 +57,35 @@ class Feeder:
         shuffle: bool,
         drop_last: bool,
         seed: int,
+        collective_forward: bool = False,
         **loader_kwargs: Any,
     ) -> DataLoader:
         """A DataLoader over this worker's share of each global batch (see
-        `Engine.dataloader`)."""
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise SetupError(
-                f"engine.dataloader shards map-style datasets (with __len__ and "
-                f"__getitem__), and {type(dataset).__name__} is a stream. Shard the stream "
-                "yourself, each worker reading every engine.dp_size-th batch from offset "
-                "engine.strategy.dp_rank (e.g. itertools.islice), and iterate a plain "
-                "DataLoader of per-worker batches; or index the data as a map-style Dataset."
-            )
+        `Engine.dataloader`); `collective_forward`: the strategy's forward is a collective
+        over the data-parallel workers."""
         batch_size = per_worker_batch(batch_size, global_batch_size, self.dp_size)
-        sampler = ShardedBatchSampler(
-            len(dataset),  # type: ignore[arg-type]
-            batch_size,
-            self.dp_size,
-            self.dp_rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
+        share: ShardedBatchSampler | StreamShare
+        if is_stream(dataset):
+            share = stream_share(
+                dataset,
+                batch_size,
+                self.dp_size,
+                self.dp_rank,
+                shuffle,
+                drop_last,
+                collective_forward,
+                loader_kwargs,
+            )
+        else:
+            share = ShardedBatchSampler(
+                len(dataset),  # type: ignore[arg-type]
+                batch_size,
+                self.dp_size,
+                self.dp_rank,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+            )
         # Evaluation loaders, and training loaders after the first, go unannounced.
         if drop_last and not self._told_batch:
             self._told_batch = True
@@ -86,7 +94,10 @@ class Feeder:
                 f"data-parallel worker x {self.dp_size})."
             )
         loader_kwargs.setdefault("pin_memory", self.device.type == "cuda")
-        return DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
+        if isinstance(share, StreamShare):
+            # Each reader yields whole collated batches of its own.
+            return DataLoader(share, batch_size=None, collate_fn=as_is, **loader_kwargs)
+        return DataLoader(dataset, batch_sampler=share, **loader_kwargs)
 
     def epoch(
         self,
@@ -101,8 +112,11 @@ class Feeder:
         had already trained (whole epochs, then the batches of the epoch it stopped in).
         `waited` is told each wait for a batch (see `track`)."""
         sampler = loader.batch_sampler
-        sharded = isinstance(sampler, ShardedBatchSampler)
-        self._warn_if_unsharded(loader)
+        if isinstance(loader.dataset, StreamShare):
+            sampler = loader.dataset
+        sharded = isinstance(sampler, (ShardedBatchSampler, StreamShare))
+        if not sharded:
+            self._warn_if_unsharded(loader)
         skip = 0
         where = self.position
         if where.resume_at is not None:
@@ -124,7 +138,7 @@ class Feeder:
         where.samples_per_step = per_step
         yield from track(
             loader,
-            total=len(loader) - skip,
+            total=None if (batches := _length(loader)) is None else batches - skip,
             samples_per_item=per_step,
             throughput=self.throughput,
             loss=loss,
@@ -140,3 +154,11 @@ class Feeder:
         self._warned_unsharded = True
         LOGGER.warning(message)
         self.say(message)
+
+
+def _length(loader: DataLoader) -> int | None:
+    """Batches per epoch of `loader`; None for a stream that does not know its length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None

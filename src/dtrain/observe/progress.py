@@ -38,7 +38,7 @@ def steady_rate(summary: dict[str, Any]) -> float | None:
 def track(
     items: Iterable[T],
     *,
-    total: int,
+    total: int | None,
     samples_per_item: int,
     throughput: Throughput,
     loss: Callable[[], float | None],
@@ -50,7 +50,7 @@ def track(
 
     Args:
         items: the batches.
-        total: how many will be yielded (for the ETA).
+        total: how many will be yielded (for the ETA); None if unknown (a stream).
         samples_per_item: global samples per batch.
         throughput: accumulates samples and seconds.
         loss: returns the latest loss to show, or None.
