@@ -437,7 +437,9 @@ class Engine:
             self.loss_scaling.unscale_(self.optimizer)
 
     def _read_loss(self) -> float | None:
-        return self._reads.read(self.strategy, self.optimizer, self.grad_norm)
+        return self._reads.read(
+            self.strategy.train_group, self.strategy.lockstep, self.optimizer, self.grad_norm
+        )
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Add the script's own `metrics` (name -> number) to the metric logs (--logger) at

@@ -69,6 +69,12 @@ class Stopped(DtrainError):
 JOB_FAILED = "the job failed."
 """The line that opens a failed job's report (the ssh head finds each host's report by it)."""
 
+OFFLOAD_NEEDS_GPUS = (
+    "--cpu-offload moves sharded parameters, gradients and optimizer state from the GPUs to "
+    "host memory; without GPUs there is nothing to offload. Drop the flag on the CPU."
+)
+"""Said before launch (the launcher) and at setup (a script run without it)."""
+
 
 def exit_report(error: DtrainError | KeyboardInterrupt) -> tuple[str, int]:
     """(the line to print, the exit code) a command ends with on `error`: 2 for bad

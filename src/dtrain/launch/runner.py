@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.config import ENV_VAR, Config
-from dtrain.errors import ConfigError, DtrainError, LaunchError, Stopped
+from dtrain.errors import OFFLOAD_NEEDS_GPUS, ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.launch import addressing, bootstrap
 from dtrain.launch.failures import (
     exit_code_of,
@@ -51,7 +51,6 @@ from dtrain.launch.stacks import (
     stopped_workers_continued,
 )
 from dtrain.launch.watch import rendezvous_host_watched
-from dtrain.parallel.data_parallel import OFFLOAD_NEEDS_GPUS
 from dtrain.strategies import lookup
 from dtrain.topology import mask_devices, use_gpus
 

@@ -8,9 +8,18 @@ peak: a measure of the model's arithmetic, not of recomputation or padding.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from dtrain.models.gpt import GPTConfig
+
+class TransformerShape(Protocol):
+    """What the FLOPs count needs of a transformer's configuration (the bundled GPT's
+    `GPTConfig` is one)."""
+
+    layers: int
+    dim: int
+    context: int
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # Dense peaks from the vendors' data sheets, TFLOP/s: fp32 (no tensor cores), tf32,
@@ -28,7 +37,7 @@ KINDS = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 """The tensor-core kind of each mixed --precision."""
 
 
-def flops_per_token(config: GPTConfig, parameters: int) -> float:
+def flops_per_token(config: TransformerShape, parameters: int) -> float:
     """Training FLOPs per token: 6 N + 12 L d T."""
     return 6.0 * parameters + 12.0 * config.layers * config.dim * config.context
 
@@ -50,7 +59,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 
 def gpt_throughput(
-    config: GPTConfig,
+    config: TransformerShape,
     parameters: int,
     samples_per_second: float,
     devices: int,

@@ -14,7 +14,6 @@ from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.progress import Throughput
 from dtrain.observe.report import RunReport
-from dtrain.strategies import Strategy
 
 
 class LossReads:
@@ -37,16 +36,18 @@ class LossReads:
 
     def read(
         self,
-        strategy: Strategy,
+        group: dist.ProcessGroup | None,
+        lockstep: bool,
         optimizer: torch.optim.Optimizer | None,
         grad_norm: torch.Tensor | None,
     ) -> float | None:
-        """Read the watched loss back from the device (collective under synchronous
-        strategies) and log it; on a non-finite loss, clear the gradients and raise."""
+        """Read the watched loss back from the device (a collective over `group` when the
+        strategy's ranks step in `lockstep`) and log it; on a non-finite loss, clear the
+        gradients and raise."""
         watch = self.watch
         fresh = watch.unread
         try:
-            loss = watch.read(strategy.train_group, strategy.lockstep and dist.is_initialized())
+            loss = watch.read(group, lockstep and dist.is_initialized())
         except NonFiniteLossError:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)

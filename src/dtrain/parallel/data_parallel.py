@@ -24,15 +24,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.errors import ConfigError
+from dtrain.errors import OFFLOAD_NEEDS_GPUS, ConfigError
 from dtrain.parallel.hierarchical import HostGroups, hierarchical_hook
 from dtrain.parallel.materialize import materialize
 from dtrain.precision import compute_dtype
-
-OFFLOAD_NEEDS_GPUS = (
-    "--cpu-offload moves sharded parameters, gradients and optimizer state from the GPUs to "
-    "host memory; without GPUs there is nothing to offload. Drop the flag on the CPU."
-)
 
 
 @dataclass(frozen=True)
