@@ -92,11 +92,16 @@ def test_the_commands_name_themselves_to_their_workers(
     script, said = tmp_path / "train.py", tmp_path / "said.txt"
     script.write_text(SCRIPT)
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["run", "--out", str(tmp_path / "out"), str(script), str(said)]) == 0
-    command, nan = said.read_text().split("\n", 1)
-    assert command == "run" and "the script sets" in nan and "--lr" not in nan
-    assert horovodrun(["-np", "1", "python", str(script), str(said)]) == 0
-    assert said.read_text().startswith("horovodrun\n")
+    saved = dict(os.environ)  # a one-process launch sets the worker's variables here
+    try:
+        assert cli.main(["run", "--out", str(tmp_path / "out"), str(script), str(said)]) == 0
+        command, nan = said.read_text().split("\n", 1)
+        assert command == "run" and "the script sets" in nan and "--lr" not in nan
+        assert horovodrun(["-np", "1", "python", str(script), str(said)]) == 0
+        assert said.read_text().startswith("horovodrun\n")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
     def interrupted(*_: object) -> None:
         raise KeyboardInterrupt
