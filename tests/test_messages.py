@@ -2,7 +2,8 @@
 `dtrain demo`, `dtrain.launch`, `horovodrun`), and output that reads cleanly: one
 ``[rank N]`` per line, progress in log files as whole lines, bench headers whole, a table
 of the trials done when a bench is interrupted, the memory report on the console, and an
-Engine that closes fully after a failed background save. All in this process."""
+Engine that closes fully after a failed background save. All in this process, but for
+one trial of `dtrain bench` stopped by Ctrl-C."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import io
 import json
 import os
 import signal
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ import dtrain
 from dtrain import advice, cli
 from dtrain.bench import strategies
 from dtrain.bench.table import PHASES, Row, format_rows, read_rows
-from dtrain.bench.trial import TrialResult
+from dtrain.bench.trial import TrialResult, run_trial
 from dtrain.checkpoint.format import check_fit
 from dtrain.errors import CheckpointError, NonFiniteLossError, Stopped
 from dtrain.launch import forked, notebook
@@ -251,3 +255,38 @@ def test_close_finishes_its_duties_before_raising_a_failed_save(
     assert json.loads(metrics.read_text())["steps"] == 1
     assert not dist.is_initialized()
     engine.close()  # the error was raised once
+
+
+class _Sleeper:
+    """A workload whose trial is one process that writes its pid, then sleeps."""
+
+    def __init__(self, pid_file: Path) -> None:
+        self.pid_file = pid_file
+
+    def command(self, *_: object) -> list[str]:
+        code = f"import os, time; open({str(self.pid_file)!r}, 'w').write(str(os.getpid()))"
+        return [sys.executable, "-c", code + "; time.sleep(60)"]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_a_trial_stops_its_process(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+
+    def interrupt_once_started() -> None:
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_trial(
+            _Sleeper(pid_file),  # type: ignore[arg-type]
+            "ddp",
+            1,
+            0,
+            seed=0,
+            timeout=50,
+            log_path=tmp_path / "trial.log",
+        )
+    with pytest.raises(ProcessLookupError):  # stopped and reaped, not left running
+        os.kill(int(pid_file.read_text()), 0)
