@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from dtrain import checkpoint, rng
+from dtrain import advice, checkpoint, rng
 from dtrain.checkpoint.atomic import clean_leftovers
 from dtrain.checkpoint.directory import problems_of
 from dtrain.checkpoint.flat_optimizer import merge_groups
@@ -195,7 +195,7 @@ class Checkpoints:
             if problems:
                 raise CheckpointError(
                     f"{path} is damaged ({'; '.join(problems)}); nothing was loaded. Resume "
-                    "from an older checkpoint (engine.resume picks the newest intact one)."
+                    f"from an older checkpoint ({advice.newest_intact()})."
                 )
             return manifest
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dtrain import __version__
+from dtrain.advice import running_as
 from dtrain.bench.bench_flags import add_args as add_bench_args
 from dtrain.bench.comm_flags import add_args as add_comm_args
 from dtrain.config import Config
@@ -331,44 +332,59 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_with_config(build_parser(), argv)
-        if args.command == "ckpt":
-            return _ckpt(args)
-        if args.command == "plan":
-            from dtrain.plan.command import main as plan_main
-
-            return plan_main(args)
-        if args.command == "bench" and args.bench_command is None:
-            from dtrain.bench.strategies import main as bench_strategies
-
-            return bench_strategies(args, argv)
-        config = config_from(args)
-        if args.command == "bench":
-            return _bench(config, argv)
-        if args.command == "run":
-            _check_run(config, args)
-        else:
-            check_training_args(args)
-        runner = import_quietly("dtrain.launch.runner")
-        if args.command == "run":
-            kind = "module" if args.module else "script"
-            target = runner.Target(kind, args.script, tuple(args.script_args))
-        else:
-            _check_demo(config, args)
-            target = runner.Target("module", DEMO_MODULE, tuple(argv[1:]))
-        if args.strategy is None:
-            many = config.hosts or config.hostfile
-            processes = "every host's processes" if many else f"{config.nproc * config.nnodes}"
-            print(
-                f"dtrain: strategy {config.strategy} ({processes}"
-                f"{'' if many else ' process(es)'}; choose another with --strategy).",
-                file=sys.stderr,
-                flush=True,
-            )
-        runner.launch(config, target)
     except (DtrainError, KeyboardInterrupt) as e:
-        message, code = exit_report(e)
-        print(f"dtrain: {message}", file=sys.stderr)
-        return code
+        return _failed(e)
+    # Named for this process and its workers, so that their advice speaks to the command.
+    with running_as(args.command):
+        try:
+            return _command(args, argv)
+        except (DtrainError, KeyboardInterrupt) as e:
+            return _failed(e)
+
+
+def _failed(error: DtrainError | KeyboardInterrupt) -> int:
+    """Print the line `error` ends the command with; return its exit code."""
+    message, code = exit_report(error)
+    print(f"dtrain: {message}", file=sys.stderr)
+    return code
+
+
+def _command(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the parsed command; returns the exit code."""
+    if args.command == "ckpt":
+        return _ckpt(args)
+    if args.command == "plan":
+        from dtrain.plan.command import main as plan_main
+
+        return plan_main(args)
+    if args.command == "bench" and args.bench_command is None:
+        from dtrain.bench.strategies import main as bench_strategies
+
+        return bench_strategies(args, argv)
+    config = config_from(args)
+    if args.command == "bench":
+        return _bench(config, argv)
+    if args.command == "run":
+        _check_run(config, args)
+    else:
+        check_training_args(args)
+    runner = import_quietly("dtrain.launch.runner")
+    if args.command == "run":
+        kind = "module" if args.module else "script"
+        target = runner.Target(kind, args.script, tuple(args.script_args))
+    else:
+        _check_demo(config, args)
+        target = runner.Target("module", DEMO_MODULE, tuple(argv[1:]))
+    if args.strategy is None:
+        many = config.hosts or config.hostfile
+        processes = "every host's processes" if many else f"{config.nproc * config.nnodes}"
+        print(
+            f"dtrain: strategy {config.strategy} ({processes}"
+            f"{'' if many else ' process(es)'}; choose another with --strategy).",
+            file=sys.stderr,
+            flush=True,
+        )
+    runner.launch(config, target)
     return 0
 
 

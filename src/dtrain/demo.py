@@ -8,12 +8,9 @@ so it exercises exactly the path a user's own script takes.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 import dtrain
 from dtrain import checkpoint
@@ -27,7 +24,7 @@ from dtrain.models import build
 from dtrain.models.gpt import GPT
 from dtrain.observe.flops import gpt_throughput
 from dtrain.observe.logs import LOGGER
-from dtrain.observe.metrics import format_memory, format_table
+from dtrain.observe.metrics import format_table
 from dtrain.tasks import TASKS, make_optimizer
 
 DEFAULT_SEED = 0
@@ -108,25 +105,33 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     LOGGER.info("args %s", vars(args))
 
-    last_loss: torch.Tensor | None = None
+    # One final loss everywhere (the progress bar's last value, each rank's log, the table,
+    # the metrics JSON): the last step's loss over the global batch, as the Engine reads it.
     for epoch in range(args.epochs):
         if engine.step >= max_steps:
             break
         epoch_start_step = engine.step
         for batch in engine.progress(loader, epoch=epoch):
             schedule.apply(optimizer, engine.step)
-            last_loss = engine.train_step(batch, task.loss)
+            engine.train_step(batch, task.loss)
             if args.checkpoint_every and engine.step % args.checkpoint_every == 0:
                 save(engine, ckpt_root, args.keep_checkpoints)
             if engine.step >= max_steps:
+                engine.check_loss()  # read before the bar closes on breaking out
                 break
         if engine.step == epoch_start_step:
             continue  # an epoch the resumed checkpoint had already trained
         if not args.checkpoint_every:
             save(engine, ckpt_root, args.keep_checkpoints)
-        LOGGER.info("epoch %d done at step %d, loss %.4f", epoch, engine.step, last_loss)
+        LOGGER.info(
+            "epoch %d done at step %d, loss %.4f (the last step's, global batch)",
+            epoch,
+            engine.step,
+            engine.check_loss(),
+        )
 
     save(engine, ckpt_root, args.keep_checkpoints)  # the final model is always on disk
+    last_loss = engine.check_loss()
     result = engine.evaluate(test_loader, task.loss)
     metrics: dict[str, object] = {
         "strategy": engine.strategy.name,
@@ -135,9 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "steps": engine.step,
         "global_batch_size": args.global_batch_size,
         "learning_rate": lr,
-        "train_loss": none_if_nan(
-            engine.all_reduce_mean(float("nan") if last_loss is None else last_loss.item())
-        ),
+        "train_loss": last_loss,
         **task.report(result),
         "samples_per_second": engine.throughput.samples_per_second,
         "wall_seconds": time.perf_counter() - wall_start,
@@ -155,22 +158,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if engine.config.memory_report:
         metrics["memory"] = engine.memory_report()
     engine.report.results.update(metrics)  # the metrics JSON, written by engine.close
-    if engine.is_main:
+    if engine.is_main:  # the model-state table follows, printed by engine.close
         rows = [(k, v) for k, v in metrics.items() if v is not None and k != "memory"]
         print(format_table(rows), flush=True)
-        if engine.config.memory_report:
-            print(format_memory(metrics["memory"]), flush=True)
         print(
             f"Checkpoints in {ckpt_root}, logs in {args.out / 'logs'} (one per rank).", flush=True
         )
     LOGGER.info("metrics %s", metrics)
     engine.close()
     return metrics
-
-
-def none_if_nan(value: float) -> float | None:
-    """`value`, or None when no step ran in this process (JSON has no NaN)."""
-    return None if math.isnan(value) else value
 
 
 def save(engine: dtrain.Engine, root: Path, keep: int) -> None:

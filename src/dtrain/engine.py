@@ -26,13 +26,14 @@ from dtrain.batches import LossFn, batch_size, split, to_device
 from dtrain.checkpointing import Checkpoints
 from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config
-from dtrain.errors import ConfigError, SetupError
+from dtrain.errors import CheckpointError, ConfigError, SetupError
 from dtrain.evaluation import evaluation_sums, shortfall
 from dtrain.feeding import Feeder
 from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.memory import InStep, gradient_bytes, optimizer_bytes, parameter_bytes
+from dtrain.observe.metrics import format_memory
 from dtrain.observe.progress import Throughput, steady_rate
 from dtrain.observe.report import RunReport
 from dtrain.observe.timing import RunTiming
@@ -326,9 +327,9 @@ class Engine:
             desc or f"epoch {epoch}",
             loss=lambda: self._watch.last,
             waited=self.timing.timer.data_wait,
+            # the epoch's last steps, read before anything is saved and the bar closes
+            finish=lambda: self._read_loss() if self._watch.unread else None,
         )
-        if self._watch.unread:
-            self._read_loss()  # the epoch's last steps, before anything is saved
 
     # -- training -------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:
@@ -588,6 +589,10 @@ class Engine:
         script is ending on an error, so the end-of-run summary, which needs every rank,
         is skipped.
 
+        An asynchronous checkpoint save that failed does not cut this short: the metrics
+        JSON, the summary and the teardown happen first, then its CheckpointError is
+        raised (once; a second close does nothing).
+
         The group is destroyed only once no wrapped model (DDP) is still referenced:
         destroying it under a live DDP object can abort the process on gloo.
         """
@@ -595,12 +600,17 @@ class Engine:
             return
         self._closed = True
         forget(self)
-        self.checkpoints.finish()
+        save_error: CheckpointError | None = None
+        try:
+            self.checkpoints.finish()
+        except CheckpointError as e:
+            save_error = e  # raised once the rest of close is done
         summary: dict[str, Any] = {}
         if self.model is not None and not failed:  # collectives: every rank got here
             summary = self.timing.finish(self.strategy.train_group, self.is_main)
             if self.config.memory_report:
                 summary["memory"] = self.memory_report()
+                self.print(f"dtrain: model state per rank\n{format_memory(summary['memory'])}")
         # The epoch's global batch (engine.progress), else what train_step saw.
         batch = self.position.samples_per_step or self._step_samples
         if batch:
@@ -645,6 +655,8 @@ class Engine:
         gc.collect()
         if dist.is_initialized() and (wrapped is None or wrapped() is None):
             dist.destroy_process_group()
+        if save_error is not None:
+            raise save_error
 
     def __enter__(self) -> Engine:
         return self

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import signal
 
+from dtrain import advice
+
 
 class DtrainError(Exception):
     """A problem the user can fix; the message names it and the fix."""
@@ -33,9 +35,8 @@ class NonFiniteLossError(DtrainError):
         where = f" on rank {rank}" if rank is not None else ""
         super().__init__(
             f"The loss is {value} at step {step}{where}: training stopped before any "
-            "checkpoint took in that step, so the last checkpoint on disk is intact. Lower "
-            "the learning rate (--lr), check the inputs for NaN or infinite values, or "
-            "resume from the last checkpoint with --resume."
+            "checkpoint took in that step, so the last checkpoint on disk is intact. "
+            f"{advice.non_finite_loss()}"
         )
         self.step = step
         self.value = value
@@ -61,7 +62,7 @@ class Stopped(DtrainError):
         name = signal.Signals(signum).name
         super().__init__(
             f"stopped by {name}; every worker was stopped, and the checkpoints already "
-            "written are intact (dtrain demo continues from them with --resume)."
+            f"written are intact ({advice.how_to_resume()})."
         )
         self.exit_code = 128 + int(signum)
 

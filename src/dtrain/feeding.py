@@ -106,11 +106,13 @@ class Feeder:
         desc: str,
         loss: Callable[[], float | None],
         waited: Callable[[float, float], None] | None = None,
+        finish: Callable[[], object] | None = None,
     ) -> Iterator[Any]:
         """The batches of `epoch` that are still to train, with a progress bar showing
         `loss()`; selects the epoch's shuffle and, after a load, skips what the checkpoint
         had already trained (whole epochs, then the batches of the epoch it stopped in).
-        `waited` is told each wait for a batch (see `track`)."""
+        `waited` is told each wait for a batch, `finish` called after the last (see
+        `track`)."""
         sampler = loader.batch_sampler
         if isinstance(loader.dataset, StreamShare):
             sampler = loader.dataset
@@ -145,6 +147,7 @@ class Feeder:
             desc=desc,
             enabled=self.is_main,
             waited=waited,
+            finish=finish,
         )
 
     def _warn_if_unsharded(self, loader: Any) -> None:

@@ -14,6 +14,9 @@ import datetime
 import os
 import platform
 import shlex
+import signal
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from dtrain.bench.table import (
     Row,
     add_scaling_efficiency,
     format_rows,
+    interrupted_row,
     skipped_row,
     steady_rate,
     summarise,
@@ -60,17 +64,19 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         + "".join(f"\n  skipped {r.label}: {r.note}" for r in skipped.values()),
         flush=True,
     )
-    results = run_rounds(workload, runnable, args)
+    results, stop = run_rounds(workload, runnable, args)
     basis = throughput_basis([t for trials in results.values() for t in trials])
     rows = []
     for strategy in strategies:
         for nproc in counts:
             key = (strategy, nproc)
+            world = nproc * workload.machines
             if key in skipped:
                 rows.append(skipped[key])
-            else:
-                world = nproc * workload.machines
+            elif results[key]:
                 rows.append(summarise(strategy, world, results[key], basis))
+            else:
+                rows.append(interrupted_row(strategy, world))
     add_scaling_efficiency(rows)
     meta = describe_run(workload, args, argv) | {"samples_per_second": BASES[basis]}
     csv_path, json_path = write_table(rows, args.out, meta)
@@ -80,6 +86,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     title = f"{workload.description}  ({meta['machine']['summary']})"
     draw_plots(rows, args.out, title, basis)
     print(f"Table in {csv_path} and {json_path}; each trial's log under {args.out / 'logs'}.")
+    if stop is not None:
+        return stopped(stop, sum(map(len, results.values())), total)
     return 0 if any(r.samples_per_second is not None for r in rows) else 1
 
 
@@ -101,30 +109,61 @@ def sort_grid(
     return runnable, skipped
 
 
+@dataclass(frozen=True)
+class Stop:
+    """What ended a bench before its last trial: the trial it was in, and the error."""
+
+    trial: str
+    error: BaseException
+
+
 def run_rounds(
     workload: Workload, runnable: list[Layout], args: argparse.Namespace
-) -> dict[Layout, list[TrialResult]]:
-    """Every configuration once per round, `args.repeats` rounds; a line per trial."""
+) -> tuple[dict[Layout, list[TrialResult]], Stop | None]:
+    """Every configuration once per round, `args.repeats` rounds; a line per trial.
+    Returns the results, and what stopped the rounds early (Ctrl-C, or an error of the
+    bench itself; a trial's own failure is a result) or None: the trials done before it
+    still make a table."""
     results: dict[Layout, list[TrialResult]] = {key: [] for key in runnable}
     total, done = len(runnable) * args.repeats, 0
     for repeat in range(args.repeats):
         for strategy, nproc in runnable:
             log = args.out / "logs" / f"{strategy}-x{nproc}-{repeat + 1}.log"
-            result = run_trial(
-                workload,
-                strategy,
-                nproc,
-                repeat,
-                seed=args.seed,
-                timeout=args.timeout,
-                log_path=log,
-            )
+            try:
+                result = run_trial(
+                    workload,
+                    strategy,
+                    nproc,
+                    repeat,
+                    seed=args.seed,
+                    timeout=args.timeout,
+                    log_path=log,
+                )
+            except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - named in stopped()
+                return results, Stop(f"{strategy} x{nproc} (repeat {repeat + 1})", e)
             results[(strategy, nproc)].append(result)
             done += 1
             print(
                 f"[{done:>{len(str(total))}}/{total}] {progress(result, args.repeats)}", flush=True
             )
-    return results
+    return results, None
+
+
+def stopped(stop: Stop, done: int, total: int) -> int:
+    """Say which trial the bench stopped in (the table above holds the ones before it);
+    return the exit code, 128 + SIGINT, for Ctrl-C. An error of the bench itself is raised
+    on after that line (the command prints a DtrainError, any other with its traceback)."""
+    interrupted = isinstance(stop.error, KeyboardInterrupt)
+    print(
+        f"dtrain bench: {'interrupted (Ctrl-C)' if interrupted else 'stopped by an error'} "
+        f"during the trial {stop.trial}; the table holds the {done} of {total} trials done "
+        "before it.",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not interrupted:
+        raise stop.error
+    return 128 + signal.SIGINT
 
 
 def progress(result: TrialResult, repeats: int) -> str:

@@ -35,7 +35,8 @@ class Row:
     strategy: str
     processes: int
     status: str
-    """ok (every trial), partial (some failed), failed (none ran) or skipped (cannot run)."""
+    """ok (every trial), partial (some failed), failed (none ran), skipped (cannot run) or
+    interrupted (the bench was stopped before its first trial)."""
     trials: str = ""
     """Trials that ran to the end, of those started ("3/3")."""
     samples_per_second: float | None = None
@@ -81,6 +82,11 @@ CSV_COLUMNS = [name for name in Row.__dataclass_fields__ if name not in PER_RANK
 def skipped_row(strategy: str, nproc: int, reason: str) -> Row:
     """The row of a configuration that cannot run, with the reason on one line."""
     return Row(strategy, nproc, "skipped", note=" ".join(reason.split()))
+
+
+def interrupted_row(strategy: str, processes: int) -> Row:
+    """The row of a configuration the bench was stopped before it could try."""
+    return Row(strategy, processes, "interrupted", "0/0", note="the bench stopped before it ran")
 
 
 def steady_rate(trial: TrialResult) -> float | None:
@@ -177,8 +183,9 @@ def read_rows(path: Path) -> list[Row]:
 
 def format_rows(rows: list[Row]) -> str:
     """The table as text: medians, with the min-max of samples/s; times in milliseconds."""
+    # Whole names, never cut: the phases are ms per step, as the step column.
     head = ("strategy", "procs", "samples/s", "min-max", "eff", "step ms")
-    head += tuple(p[:5] for p in PHASES) + ("RSS MiB", "state MiB", "note")
+    head += PHASES + ("RSS MiB", "state MiB", "note")
     lines = [head]
     for r in rows:
         rate = _num(r.samples_per_second, "{:,.0f}")

@@ -173,6 +173,12 @@ def run_trial(
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             status, code = "timeout", _stop(proc, watch)
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the bench alone (the trial runs in a session of its own).
+            _stop(proc, watch)
+            if watch is not None:
+                watch.stop()
+            raise
         seconds = time.perf_counter() - start
         peaks = watch.stop() if watch is not None else None
         metrics = _read_metrics(scratch / "metrics.json")

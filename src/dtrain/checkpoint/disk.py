@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from dtrain import advice
 from dtrain.errors import CheckpointError, DtrainError
 from dtrain.observe.memory import local_bytes
 
@@ -104,8 +105,7 @@ def write_failed(target: Path, error: OSError, size: int | None) -> CheckpointEr
     return CheckpointError(
         f"The checkpoint {target} could not be written: {reason} in {folder}, whose "
         f"filesystem has {_free(folder)} free{needed}. Nothing of it was kept, and the "
-        "checkpoints before it are intact (--resume and engine.resume continue from the "
-        f"newest). {fix}"
+        f"checkpoints before it are intact ({advice.how_to_resume()}). {fix}"
     )
 
 

@@ -25,6 +25,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from dtrain import advice
 from dtrain.checkpoint.atomic import atomic_directory, file_records
 from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
 from dtrain.checkpoint.lazy import LazyTensors
@@ -154,7 +155,7 @@ def damaged_manifest(manifest_path: Path, problem: str) -> CheckpointError:
     """The error for a manifest that is damaged: the file, what is wrong, what to do."""
     return CheckpointError(
         f"{manifest_path} is damaged: {problem}. Resume from an older checkpoint "
-        "(engine.resume and --resume pick the newest intact one), or restore it from a copy."
+        f"({advice.newest_intact()}), or restore it from a copy."
     )
 
 
@@ -281,8 +282,7 @@ def check_fit(
             for label, names in problems
         )
         raise CheckpointError(
-            f"The checkpoint does not fit this model ({detail}). Load it into the model that "
-            "saved it, or pass strict=False to load only the matching tensors."
+            f"The checkpoint does not fit this model ({detail}). {advice.checkpoint_misfit()}"
         )
     return missing + unexpected + [w.split(" ")[0] for w in wrong_shape]
 

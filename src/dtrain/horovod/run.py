@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from dtrain.advice import HOROVODRUN, running_as
 from dtrain.config import MAX_TIMEOUT_S, Config
 from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.horovod import basics
@@ -348,12 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_build:
         print(_check_build())
         return 0
-    try:
-        run(args)
-    except (DtrainError, KeyboardInterrupt) as e:
-        message, code = exit_report(e)
-        print(f"horovodrun: {message}", file=sys.stderr)
-        return code
+    with running_as(HOROVODRUN):  # its workers' advice speaks to horovodrun
+        try:
+            run(args)
+        except (DtrainError, KeyboardInterrupt) as e:
+            message, code = exit_report(e)
+            print(f"horovodrun: {message}", file=sys.stderr)
+            return code
     return 0
 
 

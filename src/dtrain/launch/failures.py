@@ -13,6 +13,7 @@ from collections.abc import Callable
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+from dtrain import advice
 from dtrain.config import Config
 from dtrain.launch.machines import Survey
 from dtrain.launch.stacks import where
@@ -57,8 +58,7 @@ def rendezvous_host_lost(config: Config, why: str) -> str:
         f"The machine hosting the rendezvous at {config.master} (the one that holds the "
         f"--master address) stopped or became unreachable ({why}), so this machine stops "
         "too: an elastic job survives losing any machine but that one. Start the command "
-        "again on every machine once it is back; a script that resumes from its last "
-        "checkpoint continues from there."
+        f"again on every machine once it is back; {advice.how_to_resume()}."
     )
 
 
@@ -154,7 +154,7 @@ def _machines_silent(survey: Survey, lost_by_rank: bool) -> str:
     return (
         f"{said} An elastic job (--nnodes MIN:MAX with --max-restarts 1 or more) goes on "
         f"without a machine it loses, unless that is {rendezvous} that hosts the rendezvous; "
-        "a script that resumes from its last checkpoint continues from there."
+        f"{advice.how_to_resume()}."
     )
 
 

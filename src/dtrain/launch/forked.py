@@ -181,7 +181,9 @@ def _read(child: Child, fd: int, selector: selectors.BaseSelector | None) -> boo
 
 def _print_lines(child: Child, fd: int, final: bool) -> None:
     """Print the complete lines of `fd`'s buffer (all of it if `final`). A line ending in
-    a carriage return (a progress bar) is printed with it, so it overwrites as it would."""
+    a carriage return (a progress bar) is printed with it, so it overwrites as it would;
+    a bare carriage return (a bar's redraw starts with one) is dropped, since printing it
+    would leave a lone ``[rank N]`` before the next line's own."""
     buffer = child.buffers.get(fd, bytearray())
     lines = _LINE.findall(buffer)
     done = sum(map(len, lines))
@@ -192,6 +194,7 @@ def _print_lines(child: Child, fd: int, final: bool) -> None:
         done = len(buffer)
     del buffer[:done]
     stream = child.streams[fd]
+    lines = [line for line in lines if line != b"\r"]
     for line in lines:
         stream.write(f"[rank {child.rank}] {line.decode('utf-8', 'replace')}")
     if lines:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.advice import COMMAND_VAR, LAUNCH
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, LaunchError
 from dtrain.launch.forked import Child, end, fork_rank, watch
@@ -150,7 +151,8 @@ def _check_here(config: Config, timeout: float | None) -> None:
 
 
 def _environment(config: Config, rank: int, world: int, port: int, threads: str) -> dict[str, str]:
-    """The variables `dtrain run` sets for a worker of a one-machine job."""
+    """The variables `dtrain run` sets for a worker of a one-machine job, naming
+    dtrain.launch as the command."""
     return {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -160,6 +162,7 @@ def _environment(config: Config, rank: int, world: int, port: int, threads: str)
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": threads,
         ENV_VAR: config.to_json(),
+        COMMAND_VAR: LAUNCH,
     }
 
 

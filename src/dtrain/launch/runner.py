@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from dtrain import advice
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import OFFLOAD_NEEDS_GPUS, ConfigError, DtrainError, LaunchError, Stopped
 from dtrain.launch import addressing, bootstrap
@@ -254,8 +255,7 @@ def _announce_restarts(record: logging.LogRecord) -> bool:
         attempt = int(most) - int(left) + 2
         print(
             f"dtrain: the worker group {str(state).lower()} (a worker failed); restarting it, "
-            f"attempt {attempt} of {int(most) + 1}. A script that resumes from its last "
-            "checkpoint continues from there.",
+            f"attempt {attempt} of {int(most) + 1}. {advice.after_restart()}",
             file=sys.stderr,
             flush=True,
         )

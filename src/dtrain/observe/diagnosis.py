@@ -49,6 +49,7 @@ def diagnose(
     breakdown: list[dict[str, float]],
     per_device_batch: int | None = None,
     memory: list[tuple[int, int] | None] | None = None,
+    grad_accumulation: int = 1,
 ) -> list[dict[str, Any]]:
     """The causes, most important first: ``{"cause", "rank", "message"}`` each.
 
@@ -56,6 +57,7 @@ def diagnose(
         breakdown: per rank, seconds per step by phase (`PHASES`).
         per_device_batch: samples each device computes per step, if known.
         memory: per rank, (peak bytes, device bytes) where the device reports them.
+        grad_accumulation: the run's micro-batches per exchange (--grad-accumulation).
     """
     if not breakdown:
         return []
@@ -95,9 +97,9 @@ def diagnose(
                     "message": f"Communication that compute did not hide takes {_ms(t2)} of "
                     f"each {_ms(step)} step, against {_ms(t1)} of forward and backward "
                     "compute (t1): the devices wait for the network. Raise the per-device "
-                    "batch or use --grad-accumulation so each exchange carries more "
-                    "compute, use --hierarchical across machines, or a strategy that moves "
-                    "fewer bytes per step.",
+                    f"batch or {_accumulate_more(grad_accumulation)} so each exchange carries "
+                    "more compute, use --hierarchical across machines, or a strategy that "
+                    "moves fewer bytes per step.",
                 },
             )
         )
@@ -135,6 +137,13 @@ def diagnose(
             )
     found.sort(key=lambda item: -item[0])
     return [cause for _, cause in found]
+
+
+def _accumulate_more(grad_accumulation: int) -> str:
+    """The advice on gradient accumulation for a run that uses `grad_accumulation`."""
+    if grad_accumulation > 1:
+        return f"raise --grad-accumulation above its {grad_accumulation}"
+    return "use --grad-accumulation"
 
 
 def _straggler(

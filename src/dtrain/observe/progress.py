@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 from tqdm import tqdm
 
@@ -35,6 +35,10 @@ def steady_rate(summary: dict[str, Any]) -> float | None:
     return float(batch) / (sum(rank["step"] for rank in breakdown) / len(breakdown))
 
 
+PLAIN_EVERY_S = 30.0
+"""Seconds between the plain progress lines written where no terminal shows a bar."""
+
+
 def track(
     items: Iterable[T],
     *,
@@ -45,8 +49,14 @@ def track(
     desc: str,
     enabled: bool,
     waited: Callable[[float, float], None] | None = None,
+    finish: Callable[[], object] | None = None,
+    stream: TextIO | None = None,
 ) -> Iterator[T]:
-    """Yield `items`, timing them into `throughput`; draw a bar when `enabled`.
+    """Yield `items`, timing them into `throughput`; show progress when `enabled`.
+
+    On a terminal (or in a notebook) the progress is a bar redrawn in place; elsewhere (a
+    log file, a pipe) it is a plain line every PLAIN_EVERY_S seconds and one at the end,
+    so that files get whole lines, not a bar's carriage-return redraws.
 
     Args:
         items: the batches.
@@ -55,35 +65,53 @@ def track(
         throughput: accumulates samples and seconds.
         loss: returns the latest loss to show, or None.
         desc: label on the left of the bar.
-        enabled: draw the bar (main rank only).
+        enabled: show progress (main rank only).
         waited: told (start, end) of each wait for the next item (``time.perf_counter``).
+        finish: called on every rank once every item was yielded, before the progress
+            ends (the Engine reads the last losses there, so the last loss shown is the
+            last step's).
+        stream: where progress goes (default: standard error).
     """
+    stream = sys.stderr if stream is None else stream
+    live = enabled and _redraws(stream)
     bar = tqdm(
         total=total,
         desc=desc,
-        disable=not enabled,
-        file=sys.stderr,
+        disable=not live,
+        file=stream,
         leave=True,
         dynamic_ncols=True,
         unit="step",
         mininterval=0.5,
     )
     epoch_samples, epoch_start = 0, time.perf_counter()
-    start = epoch_start
+    start = last_line = epoch_start
+    steps = 0
+
+    def shown(separator: str = " ") -> str:
+        value = loss()
+        rate = epoch_samples / max(time.perf_counter() - epoch_start, 1e-9)
+        parts = [f"loss={value:.4f}"] if value is not None else []
+        return separator.join([*parts, f"{rate:,.0f} samples/s"])
+
+    def line() -> None:
+        nonlocal last_line
+        last_line = time.perf_counter()
+        print(f"{desc}: {steps}/{total} steps, {shown(', ')}", file=stream, flush=True)
 
     def done() -> None:
-        nonlocal epoch_samples, start
+        nonlocal epoch_samples, start, steps
         now = time.perf_counter()
         throughput.seconds += now - start
         throughput.samples += samples_per_item
         epoch_samples += samples_per_item
+        steps += 1
         start = now
-        if enabled:
-            value = loss()
-            rate = epoch_samples / max(now - epoch_start, 1e-9)
-            shown = (f"loss={value:.4f} " if value is not None else "") + f"{rate:,.0f} samples/s"
-            bar.set_postfix_str(shown, refresh=False)
+        if live:
+            bar.set_postfix_str(shown(), refresh=False)
             bar.update(1)
+        elif enabled and now - last_line >= PLAIN_EVERY_S:
+            line()
 
     try:
         for item in _timed(items, waited):
@@ -93,8 +121,25 @@ def track(
                 done()  # the loop broke out after using this item (e.g. --steps reached)
                 raise
             done()
+        if finish is not None:
+            finish()
+        if live:
+            bar.set_postfix_str(shown(), refresh=False)
     finally:
         bar.close()
+        if enabled and not live and steps:
+            line()
+
+
+def _redraws(stream: TextIO) -> bool:
+    """Whether `stream` shows a bar redrawn in place: a terminal, or a notebook's output
+    (ipykernel's streams are no terminal, but their cells handle carriage returns)."""
+    if type(stream).__module__.startswith("ipykernel"):
+        return True
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no such method, or a closed stream
+        return False
 
 
 def _timed(items: Iterable[T], waited: Callable[[float, float], None] | None) -> Iterator[T]:

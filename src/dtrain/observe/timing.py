@@ -42,6 +42,7 @@ class RunTiming:
         self.trace_path = Path(config.trace) if config.trace else None
         window = step_window(config.trace_steps) if self.trace_path else None
         self.timer = StepTimer(clock_for(device), trace_window=window)
+        self.grad_accumulation = config.grad_accumulation
         self.per_device_batch: int | None = None
         """Samples one device computes per micro-batch, once a step has run."""
         self._forwards: RemovableHandle | None = None
@@ -133,7 +134,8 @@ class RunTiming:
         breakdown = [r["breakdown"] for r in everyone]
         if any(b is None for b in breakdown):
             return {}
-        causes = diagnose(breakdown, self.per_device_batch, [r["memory"] for r in everyone])
+        memory = [r["memory"] for r in everyone]
+        causes = diagnose(breakdown, self.per_device_batch, memory, self.grad_accumulation)
         text = table(breakdown, causes)
         LOGGER.info(text)
         print(text, flush=True)
