@@ -97,7 +97,8 @@ def track(
     def line() -> None:
         nonlocal last_line
         last_line = time.perf_counter()
-        print(f"{desc}: {steps}/{total} steps, {shown(', ')}", file=stream, flush=True)
+        count = f"{steps}/{total}" if total is not None else f"{steps}"
+        print(f"{desc}: {count} steps, {shown(', ')}", file=stream, flush=True)
 
     def done() -> None:
         nonlocal epoch_samples, start, steps
