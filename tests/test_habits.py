@@ -15,7 +15,8 @@ from training import CLOSE
 
 EVERY = [name for name in HABITS if name != "compiled"]
 """The habits every strategy runs; "compiled" traces each block (seconds per process), so
-it runs under the strategies the issue was found on and a few more."""
+it runs under zero3 and tensor (where the issue was found; zero2 wraps the blocks as zero3
+does) and parameter servers."""
 
 BY_HAND = ["accumulate_no_sync", "accumulate_plain", "clip"]
 
@@ -64,7 +65,7 @@ def _check(strategy: str, results: dict[str, Any], reference: dict[str, Any]) ->
     "strategy", ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor"]
 )
 def test_every_habit_under_two_processes(strategy: str, reference: dict[str, Any]) -> None:
-    names = [*EVERY, "compiled"] if strategy in ("zero2", "zero3", "tensor") else EVERY
+    names = [*EVERY, "compiled"] if strategy in ("zero3", "tensor") else EVERY
     results = run_ranks(run_habits, 2, strategy, names, timeout=280)[0]
     _check(strategy, results, reference)
 
