@@ -1,11 +1,12 @@
 """`--strategy local-sgd`: replicas that train alone for H optimizer steps, then sync by
 averaging their parameters, or by DiLoCo's outer optimizer.
 
-One spawned job of two ranks runs every training variant (a float64 model with BatchNorm
+A spawned job of two ranks runs every training variant (a float64 model with BatchNorm
 and SGD with nesterov momentum and weight decay, fed by step index, so that the test can
 recompute by hand what each replica trains); the tests compare its results: H = 1 with
 ddp, H = 4 with a hand computation, DiLoCo's identity with plain averaging, resume
-exactness, and a checkpoint's model and its load under ddp.
+exactness, and a checkpoint's model and its load under ddp; one of three ranks checks H = 1
+against ddp where the mean divides by 3, and a load at another number of processes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.strategies.local_sgd import LocalSGD
 
-GLOBAL_BATCH = 12  # 6 per replica, cut into 2 micro-batches of 3 by grad_accumulation=2
+GLOBAL_BATCH = 12  # divides over 2 and 3 replicas, and 2 replicas' shares into 2 micro-batches
 
 
 def _model(batchnorm: bool = True) -> nn.Module:
@@ -132,10 +133,25 @@ def _job(root: str) -> dict[str, dict[str, Any]]:
     )
 
 
+def _job3(root: str) -> dict[str, dict[str, Any]]:
+    return _variants(
+        {
+            "ddp_momentum": {"steps": 5, "options": {"strategy": "ddp"}},
+            "h1_momentum": {"steps": 5, "options": {"strategy": "local-sgd", "sync_every": 1}},
+            "loads_world2": {
+                "steps": 4,
+                "options": {"strategy": "local-sgd", "sync_every": 3, "outer_optimizer": "sgd"},
+                "load": f"{root}/a",
+            },
+        }
+    )
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("local_sgd"))
-    return {"root": root, "two": run_ranks(_job, 2, root, timeout=150)}
+    two = run_ranks(_job, 2, root, timeout=150)
+    return {"root": root, "two": two, "three": run_ranks(_job3, 3, root, timeout=90)}
 
 
 def _params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -160,11 +176,12 @@ def _alone(rank: int, world: int, steps: int) -> dict[str, torch.Tensor]:
 def test_h1_averaging_equals_ddp_under_sgd_with_momentum(runs: dict) -> None:
     # Nesterov momentum and weight decay: updates linear in the gradient, so the mean of
     # the replicas' momentum buffers is ddp's buffer, and their mean update is ddp's.
-    main = runs["two"][0]
-    assert_close(
-        _params(main["h1_momentum"]["canonical"]), _params(main["ddp_momentum"]["canonical"])
-    )
-    assert main["h1_momentum"]["report"]["syncs"] == 5
+    for ranks in (runs["two"], runs["three"]):
+        main = ranks[0]
+        assert_close(
+            _params(main["h1_momentum"]["canonical"]), _params(main["ddp_momentum"]["canonical"])
+        )
+        assert main["h1_momentum"]["report"]["syncs"] == 5
 
 
 @pytest.mark.timeout(300)
@@ -229,6 +246,9 @@ def test_checkpoint_holds_the_mean_of_the_replicas_and_loads_under_ddp(runs: dic
     assert (manifest["strategy"], manifest["world_size"], manifest["step"]) == ("local-sgd", 2, 4)
     for rank in (0, 1):
         assert_close(two[rank]["ddp_loads_4"]["replica"], saved, rtol=0, atol=0)
+    # At another number of processes every replica starts from the saved model.
+    for rank in runs["three"]:
+        assert_close(rank["loads_world2"]["replica"], saved, rtol=0, atol=0)
 
 
 @pytest.mark.timeout(240)
