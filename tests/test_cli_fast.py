@@ -71,11 +71,12 @@ def test_help_answers_without_torch(tmp_path: Path, argv: list[str], shown: str)
         (["run", "--nproc", "0", "x.py"], "--nproc must be at least 1, got 0."),
         (
             ["run", "--strategy", "nope", "x.py"],
-            "Unknown strategy 'nope'. Known strategies: single, towers, ddp, ps, zero1, "
-            "zero2, zero3, hsdp, pipeline, tensor, hybrid. Pick one with --strategy NAME.",
+            "Unknown strategy 'nope'. Known strategies: single, towers, ddp, local-sgd, ps, "
+            "zero1, zero2, zero3, hsdp, pipeline, tensor, hybrid. Pick one with --strategy NAME.",
         ),
         (["demo", "--strategy", "magic"], "Unknown strategy 'magic'."),
         (["run", "--towers", "2", "x.py"], "--towers sets the replicas of --strategy towers"),
+        (["run", "--sync-every", "4", "x.py"], "--sync-every: options of the syncs of --strategy"),
         (["run", "--logger", "nope", "x.py"], "Unknown --logger nope; choose from csv"),
         (["run", "--seed", "-1", "x.py"], "--seed must lie in [0, 2**64)"),
         (["demo", "--model", "resnet"], "invalid choice: 'resnet'"),

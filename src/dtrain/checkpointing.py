@@ -32,7 +32,7 @@ from dtrain.checkpoint.sharded import ShardedWriter, local_part
 from dtrain.checkpoint.sharded_load import load_sharded
 from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
-from dtrain.collectives import gather_objects, rank_in
+from dtrain.collectives import gather_objects, gather_to_main, rank_in
 from dtrain.errors import CheckpointError
 from dtrain.observe.logs import LOGGER
 from dtrain.position import Position
@@ -120,6 +120,9 @@ class Checkpoints:
                 checkpoint.prune(path.parent, keep, written=path)
 
         group = self.strategy.train_group
+        # Replicas that train apart (local-sgd): every rank's own state, for an exact resume.
+        replica = self.strategy.replica_state(self.optimizer)
+        replicas = {} if replica is None else {"replica_states": gather_to_main(replica, group)}
         if self.strategy.config.checkpoint_format == "sharded":
             part = local_part(self.strategy, self.optimizer)
             everyone = gather_objects((rng.get_state(), part.groups), group)
@@ -129,6 +132,7 @@ class Checkpoints:
                 "rng_per_rank": [state for state, _ in everyone],
                 "optimizer_groups": merge_groups([groups for _, groups in everyone]),
                 **scaler,
+                **replicas,
             }
             self._sharded.save(path, part, trainer, info, committed)
             return
@@ -142,6 +146,7 @@ class Checkpoints:
                 "shuffle_seed": self.position.shuffle_seed,
                 "rng_per_rank": rng_states,
                 **scaler,
+                **replicas,
             }
             checkpoint.write(path, tensors, optimizer_state, trainer, info)
             committed()
@@ -262,11 +267,14 @@ class Checkpoints:
         where.shuffle_seed = trainer.get("shuffle_seed")
         if self.loss_scaling is not None and "loss_scaler" in trainer:
             self.loss_scaling.load_state_dict(trainer["loss_scaler"])
+        me, ranks = rank_in(self.strategy.train_group)
         rng_states = trainer.get("rng_per_rank") or []
         if rng_states:
             # Same number of processes: every rank continues its own streams; else rank 0's.
-            me, ranks = rank_in(self.strategy.train_group)
             rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
+        replicas = trainer.get("replica_states") or []
+        if len(replicas) == ranks and not skipped:  # else all go on from the saved model
+            self.strategy.load_replica_state(replicas[me], replicas[0], self.optimizer)
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
         return manifest
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -19,6 +20,7 @@ from dtrain.names import (
     CHECKPOINT_FORMATS,
     DP_MODES,
     LOGGERS,
+    OUTER_OPTIMIZERS,
     PRECISIONS,
     PS_MODES,
     SCHEDULES,
@@ -205,6 +207,23 @@ class Config:
         "async/ssp: divide each gradient's learning rate by its staleness (Zhang et al. 2016).",
         flag="--staleness-aware-lr",
     )
+    sync_every: int | None = option(
+        None,
+        "local-sgd: optimizer steps each replica takes alone between two syncs of the "
+        "replicas (default 8; 1 syncs after every step).",
+    )
+    outer_optimizer: str = option(
+        "none",
+        "local-sgd: none (a sync averages the replicas' parameters), sgd or nesterov "
+        "(DiLoCo: a sync averages the replicas' changes since the last sync, and this "
+        "optimizer applies them to the model of the last sync).",
+    )
+    outer_lr: float | None = option(
+        None, "local-sgd: the outer optimizer's learning rate (default: nesterov 0.7, sgd 1.0)."
+    )
+    outer_momentum: float | None = option(
+        None, "local-sgd: the outer optimizer's momentum (default: nesterov 0.9, sgd 0)."
+    )
     pp: int | None = option(
         None, "Pipeline stages (pipeline, hybrid; default: --nproc for pipeline, else 1)."
     )
@@ -386,6 +405,7 @@ class Config:
                 f"{self.strategy} does not use; use --strategy hsdp, or drop --shard-size."
             )
         self._validate_ps()
+        self._validate_local_sgd()
         self._validate_model_parallel()
 
     def _validate_output_names(self) -> None:
@@ -452,6 +472,56 @@ class Config:
             raise ConfigError(
                 "--staleness-aware-lr scales the gradients of --ps-mode async or ssp; sync "
                 "gradients are never stale. Drop the flag, or pick async or ssp."
+            )
+
+    def _validate_local_sgd(self) -> None:
+        given = [
+            flag
+            for flag, value in (
+                ("--sync-every", self.sync_every is not None),
+                ("--outer-optimizer", self.outer_optimizer != "none"),
+                ("--outer-lr", self.outer_lr is not None),
+                ("--outer-momentum", self.outer_momentum is not None),
+            )
+            if value
+        ]
+        if given and self.strategy != "local-sgd":
+            raise ConfigError(
+                f"{', '.join(given)}: options of the syncs of --strategy local-sgd, which "
+                f"--strategy {self.strategy} does not run; use --strategy local-sgd, or drop "
+                f"{', '.join(given)}."
+            )
+        if self.sync_every is not None and self.sync_every < 1:
+            raise ConfigError(
+                f"--sync-every must be at least 1 (optimizer steps between two syncs), got "
+                f"{self.sync_every}."
+            )
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError(
+                f"Unknown --outer-optimizer '{self.outer_optimizer}'; choose one of "
+                f"{', '.join(OUTER_OPTIMIZERS)}."
+            )
+        outer = [flag for flag in given if flag in ("--outer-lr", "--outer-momentum")]
+        if outer and self.outer_optimizer == "none":
+            raise ConfigError(
+                f"{', '.join(outer)}: options of DiLoCo's outer optimizer, which plain "
+                "averaging (--outer-optimizer none) does not have; add --outer-optimizer sgd "
+                f"or nesterov, or drop {', '.join(outer)}."
+            )
+        if self.outer_lr is not None and not 0 < self.outer_lr < math.inf:  # false for nan
+            raise ConfigError(
+                f"--outer-lr must be a positive number, got {self.outer_lr}; DiLoCo uses 0.7 "
+                "with nesterov, and 1.0 with sgd equals plain averaging."
+            )
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                f"--outer-momentum must lie in [0, 1), got {self.outer_momentum}; DiLoCo uses "
+                "0.9."
+            )
+        if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
+            raise ConfigError(
+                "--outer-optimizer nesterov needs a momentum above 0; drop --outer-momentum 0 "
+                "(default 0.9), or use --outer-optimizer sgd."
             )
 
     def _validate_model_parallel(self) -> None:

@@ -16,6 +16,7 @@ STRATEGIES = (
     "single",
     "towers",
     "ddp",
+    "local-sgd",
     "ps",
     "zero1",
     "zero2",
@@ -39,12 +40,13 @@ LR_RULES = ("none", "linear", "sqrt")
 """`dtrain demo --lr-scaling`: how the learning rate follows the global batch."""
 
 # The values Config accepts for --precision, --activation-checkpointing, --schedule,
-# --dp-mode, --ps-mode, --checkpoint-format and --logger.
+# --dp-mode, --ps-mode, --outer-optimizer, --checkpoint-format and --logger.
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("ddp", "zero2", "zero3")
 PS_MODES = ("sync", "async", "ssp")
+OUTER_OPTIMIZERS = ("none", "sgd", "nesterov")
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
 LOGGERS = ("csv", "tensorboard")
 

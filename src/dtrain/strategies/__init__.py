@@ -1,6 +1,6 @@
 """Strategies, one module each, registered by name for `--strategy`."""
 
-from dtrain.strategies import ddp, fsdp, model_parallel, ps, single, towers, zero1
+from dtrain.strategies import ddp, fsdp, local_sgd, model_parallel, ps, single, towers, zero1
 from dtrain.strategies.base import Strategy, available, lookup, register
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "register",
     "ddp",
     "fsdp",
+    "local_sgd",
     "model_parallel",
     "ps",
     "single",

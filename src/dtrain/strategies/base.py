@@ -313,6 +313,19 @@ class Strategy:
             load_by_name(optimizer, module, optimizer_state, loaded if skipped else None)
         return skipped
 
+    def replica_state(self, optimizer: Optimizer | None) -> dict[str, Any] | None:
+        """What this rank trains apart from the model and optimizer state `full_state`
+        saves (replicas that differ between syncs: local-sgd), for the trainer state of a
+        checkpoint; None, alike on every rank: nothing."""
+        return None
+
+    def load_replica_state(
+        self, mine: dict[str, Any], first: dict[str, Any], optimizer: Optimizer | None
+    ) -> None:
+        """After a checkpoint's model and optimizer state are loaded, restore this rank's
+        `replica_state` (`mine`) as saved by a job of as many ranks; `first` is the first
+        rank's."""
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, skipping synchronisation, inside the block."""

@@ -1,0 +1,248 @@
+"""`local-sgd`: replicas that train alone for H optimizer steps, then sync.
+
+Local SGD (Stich, ICLR 2019; Lin et al., ICLR 2020): every process holds a whole replica
+and reads its share of each global batch, as under ddp, but backward exchanges nothing;
+after every H-th optimizer step (``--sync-every H``) the replicas average their parameters
+and floating-point buffers (BatchNorm's running statistics) in one all-reduce (torch's
+``model_averaging.utils.average_parameters``), so they communicate H times less often than
+ddp. Each replica keeps its own optimizer state, as torch's PeriodicModelAverager and
+torchft's LocalSGD do.
+
+DiLoCo (Douillard et al. 2023), with ``--outer-optimizer sgd|nesterov``: a sync averages
+the replicas' changes since the last sync (the outer gradient: the synced model minus the
+replica), and an outer torch SGD steps the synced model with it; every replica then goes
+on from the new synced model. The paper's outer optimizer is the default: nesterov,
+momentum 0.9, lr 0.7. Outer sgd at lr 1.0 without momentum is plain averaging.
+
+With H = 1 and plain averaging this trains ddp's model under SGD with or without momentum,
+nesterov or weight decay: every replica steps from the same parameters with an update
+linear in its gradient, so the mean of the replicas' momentum buffers evolves as ddp's
+buffer and the mean of their updated parameters is ddp's. Adam's update is not linear in
+the gradient: there H = 1 is near ddp, not equal. Clipping (--clip-grad-norm) clips each
+replica's own gradient.
+
+Between syncs the replicas differ: `engine.evaluate` then runs each replica on its share
+of the data (the mean over the replicas, not the averaged model); at a sync step it
+evaluates the synced model. A checkpoint's model is the mean of the replicas (the synced
+model at a sync step), loadable under every strategy, with rank 0's optimizer state; each
+rank's replica, optimizer state and steps since the sync, and DiLoCo's synced model and
+outer optimizer state, travel in the trainer state, so that a resume at the same number of
+processes continues exactly (at another number, every replica starts from the saved model,
+as after a sync).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
+from torch.optim import Optimizer
+
+from dtrain.checkpoint.format import load_model, model_tensors
+from dtrain.checkpoint.names import canonical_state_dict
+from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.parallel.broadcast import broadcast_model
+from dtrain.strategies.base import Strategy, register
+from dtrain.topology import Topology
+
+DEFAULT_SYNC_EVERY = 8
+"""Optimizer steps between two syncs without --sync-every."""
+
+OUTER_DEFAULTS = {"sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
+"""(lr, momentum) of each outer optimizer without --outer-lr / --outer-momentum: DiLoCo's
+for nesterov; for sgd those that make a sync plain averaging."""
+
+
+@register
+class LocalSGD(Strategy):
+    """Whole replicas, one per process, synced every `sync_every` optimizer steps."""
+
+    name = "local-sgd"
+    multiprocess = True
+    state_by_module = False  # both checkpoint formats save the replicas' mean (`full_state`)
+    order = 25
+
+    def __init__(self, config: Config, topology: Topology) -> None:
+        super().__init__(config, topology)
+        self.sync_every = config.sync_every or DEFAULT_SYNC_EVERY
+        lr, momentum = OUTER_DEFAULTS.get(config.outer_optimizer, (0.0, 0.0))
+        self.outer_lr = lr if config.outer_lr is None else config.outer_lr
+        self.outer_momentum = momentum if config.outer_momentum is None else config.outer_momentum
+        self.since_sync = 0
+        """Optimizer steps taken since the last sync (the same on every replica)."""
+        self.syncs = 0
+        self._params: list[nn.Parameter] = []
+        self._buffers: list[torch.Tensor] = []
+        self._synced: list[nn.Parameter] = []
+        """DiLoCo: the model of the last sync, which the outer optimizer steps."""
+        self._outer: torch.optim.SGD | None = None
+
+    @classmethod
+    def check_options(cls, config: Config) -> None:
+        if config.sync_batchnorm:
+            raise ConfigError(
+                "--sync-batchnorm makes every forward wait for the other replicas' batch "
+                "statistics, which --strategy local-sgd's replicas do not exchange between "
+                "syncs (their running statistics are averaged at each sync); drop it, or use "
+                "--strategy ddp."
+            )
+        super().check_options(config)
+
+    @property
+    def layout_text(self) -> str | None:
+        text = f"sync every {self.sync_every} step{'s' if self.sync_every > 1 else ''}"
+        if self.config.outer_optimizer == "none":
+            return text + ", averaging"
+        return (
+            f"{text}, DiLoCo outer {self.config.outer_optimizer} lr {self.outer_lr:g} "
+            f"momentum {self.outer_momentum:g}"
+        )
+
+    # -- setup ----------------------------------------------------------------------------
+    def setup(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
+        """Start every replica from rank 0's model; sync after every `sync_every`-th step
+        of `optimizer` (a post-step hook, so hand-written loops sync too)."""
+        wrapped, optimizer = super().setup(model, optimizer)
+        module = self.unwrap()
+        broadcast_model(module, None, self.topology.device)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._buffers = [b for b in module.buffers() if b.is_floating_point()]
+        if self.config.outer_optimizer != "none":
+            self._synced = [nn.Parameter(p.detach().clone()) for p in self._params]
+            self._outer = torch.optim.SGD(
+                self._synced,
+                lr=self.outer_lr,
+                momentum=self.outer_momentum,
+                nesterov=self.config.outer_optimizer == "nesterov",
+            )
+        if optimizer is not None:
+            optimizer.register_step_post_hook(self._stepped)
+        return wrapped, optimizer
+
+    def _stepped(self, *_: Any) -> None:
+        self.since_sync += 1
+        if self.since_sync == self.sync_every:
+            self.sync()
+
+    # -- the sync -------------------------------------------------------------------------
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        """Replace each of `tensors` by its mean over the replicas (one all-reduce)."""
+        if tensors and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
+            average_parameters(iter(tensors), self.dp_group)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Bring every replica to the new synced model (collective over the replicas):
+        the mean of the replicas, or DiLoCo's outer step on their mean change."""
+        if self._outer is None:
+            self._average([*self._params, *self._buffers])
+        else:
+            deltas = [g - p for g, p in zip(self._synced, self._params, strict=True)]
+            self._average([*deltas, *self._buffers])
+            for g, delta in zip(self._synced, deltas, strict=True):
+                g.grad = delta
+            self._outer.step()
+            self._outer.zero_grad(set_to_none=True)
+            for p, g in zip(self._params, self._synced, strict=True):
+                p.copy_(g)
+        self.since_sync = 0
+        self.syncs += 1
+
+    def report(self) -> dict[str, object]:
+        """H, the outer optimizer, the syncs taken, and the bytes each replica all-reduces
+        per optimizer step: a sync's payload over H (ddp all-reduces the gradients, about
+        the parameters' bytes, every step)."""
+        payload = sum(t.numel() * t.element_size() for t in [*self._params, *self._buffers])
+        out: dict[str, object] = {
+            "sync_every": self.sync_every,
+            "outer_optimizer": self.config.outer_optimizer,
+            "syncs": self.syncs,
+            "sync_bytes_per_step": payload / self.sync_every,
+        }
+        if self._outer is not None:
+            out |= {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state(
+        self, optimizer: Optimizer | None
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """The mean of the replicas (collective) and rank 0's optimizer state; at a sync
+        step every replica holds the synced model, which is saved as it is."""
+        if self.since_sync == 0:
+            return super().full_state(optimizer)
+        module = self.unwrap()
+        state = canonical_state_dict(module.state_dict())
+        mean = {k: v.clone() for k, v in state.items() if v.is_floating_point()}  # type: ignore[union-attr]
+        self._average(list(mean.values()))
+        if not self.topology.is_main:
+            return None, None
+        tensors = {
+            k: mean.get(k, v).to("cpu").contiguous()  # type: ignore[union-attr]
+            for k, v in state.items()
+        }
+        return tensors, state_by_name(optimizer, module) if optimizer else None
+
+    def load_full_state(
+        self,
+        tensors: dict[str, torch.Tensor],
+        optimizer: Optimizer | None,
+        optimizer_state: dict[str, Any] | None,
+        strict: bool,
+    ) -> list[str]:
+        """Every replica loads the model: a sync point (DiLoCo's synced model is it)."""
+        skipped = super().load_full_state(tensors, optimizer, optimizer_state, strict)
+        with torch.no_grad():
+            for g, p in zip(self._synced, self._params, strict=True):
+                g.copy_(p)
+        self.since_sync = 0
+        return skipped
+
+    def replica_state(self, optimizer: Optimizer | None) -> dict[str, Any] | None:
+        """This replica's optimizer state and steps since the sync, its parameters between
+        syncs, and on rank 0 DiLoCo's synced model and outer optimizer state."""
+        module = self.unwrap()
+        state: dict[str, Any] = {
+            "since_sync": self.since_sync,
+            "optimizer": state_by_name(optimizer, module) if optimizer else None,
+        }
+        if self.since_sync:
+            state["model"] = model_tensors(module)
+        if self._outer is not None and self.dp_rank == 0:
+            outer = self._outer.state_dict()
+            state["synced"] = [g.detach().cpu() for g in self._synced]
+            state["outer"] = {
+                "state": {
+                    i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                    for i, s in outer["state"].items()
+                },
+                "param_groups": outer["param_groups"],
+            }
+        return state
+
+    @torch.no_grad()
+    def load_replica_state(
+        self, mine: dict[str, Any], first: dict[str, Any], optimizer: Optimizer | None
+    ) -> None:
+        module = self.unwrap()
+        if "model" in mine:
+            load_model(module, mine["model"])
+        if optimizer is not None and mine["optimizer"] is not None:
+            load_by_name(optimizer, module, mine["optimizer"])
+        self.since_sync = mine["since_sync"]
+        if self._outer is not None and "outer" in first:
+            for g, saved in zip(self._synced, first["synced"], strict=True):
+                g.copy_(saved)
+            self._outer.load_state_dict(first["outer"])
+
+    def close(self) -> None:
+        self._params, self._buffers, self._synced, self._outer = [], [], [], None
+        super().close()
