@@ -32,12 +32,16 @@ from dtrain.checkpoint.sharded import ShardedWriter, local_part
 from dtrain.checkpoint.sharded_load import load_sharded
 from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
-from dtrain.collectives import gather_objects, rank_in
+from dtrain.collectives import gather_objects, gather_to_main, rank_in
 from dtrain.errors import CheckpointError
 from dtrain.observe.logs import LOGGER
+from dtrain.parallel.compression import powersgd_of
 from dtrain.position import Position
 from dtrain.precision import LossScaling
 from dtrain.strategies import Strategy
+
+POWERSGD_KEY = "powersgd_per_rank"
+"""The trainer file's list of every rank's PowerSGD state (`dtrain.parallel.compression`)."""
 
 
 class Checkpoints:
@@ -104,6 +108,7 @@ class Checkpoints:
         }
         # The same on every rank: the ranks agree on every skipped step.
         scaler = {"loss_scaler": self.loss_scaling.state_dict()} if self.loss_scaling else {}
+        compression = self._powersgd_states()
         info = {
             **position,
             "strategy": self.strategy.name,
@@ -129,6 +134,7 @@ class Checkpoints:
                 "rng_per_rank": [state for state, _ in everyone],
                 "optimizer_groups": merge_groups([groups for _, groups in everyone]),
                 **scaler,
+                **compression,
             }
             self._sharded.save(path, part, trainer, info, committed)
             return
@@ -142,12 +148,42 @@ class Checkpoints:
                 "shuffle_seed": self.position.shuffle_seed,
                 "rng_per_rank": rng_states,
                 **scaler,
+                **compression,
             }
             checkpoint.write(path, tensors, optimizer_state, trainer, info)
             committed()
 
         # The other ranks wait for it, and raise its error (a full disk) if it fails.
         decided_by_main(write, group, self.is_main)
+
+    def _powersgd_states(self) -> dict[str, Any]:
+        """Under --grad-compression powersgd, every rank's PowerSGD state (its own error
+        feedback) for the trainer file, gathered to the main rank (collective)."""
+        powersgd = powersgd_of(self.strategy.model)
+        if powersgd is None:
+            return {}
+        return {POWERSGD_KEY: gather_to_main(powersgd.state_dict(), self.strategy.train_group)}
+
+    def _load_powersgd(self, path: Path, trainer: dict[str, Any]) -> None:
+        """Continue each rank's PowerSGD state from the checkpoint; where the checkpoint
+        holds none for this job (another world size or PowerSGD rank, or none saved), warn
+        and let PowerSGD start afresh: two whole steps, then compression with no error
+        feedback carried over (another job's errors belong to other ranks' gradients)."""
+        powersgd = powersgd_of(self.strategy.model)
+        if powersgd is None:
+            return
+        states = trainer.get(POWERSGD_KEY) or []
+        me, ranks = rank_in(self.strategy.train_group)
+        mine = states[me] if len(states) == ranks else None
+        if powersgd.fits(mine):
+            powersgd.load_state_dict(mine)
+            return
+        message = (
+            f"{path} holds no PowerSGD state of {ranks} processes at rank {powersgd.rank}; "
+            "PowerSGD starts afresh (its error feedback restarts from zero)"
+        )
+        LOGGER.warning(message)
+        self.print(f"dtrain: warning: {message}.")
 
     def saved(self, path: str | Path) -> bool:
         """Whether the newest checkpoint beside `path` is `path`, intact (or is being
@@ -267,6 +303,7 @@ class Checkpoints:
             # Same number of processes: every rank continues its own streams; else rank 0's.
             me, ranks = rank_in(self.strategy.train_group)
             rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
+        self._load_powersgd(path, trainer)
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
         return manifest
 

@@ -16,6 +16,17 @@ def gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return everyone
 
 
+def gather_to_main(value: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """`value` from every process of `group`, in rank order, on the group's first rank
+    (None on the others): unlike `gather_objects`, no rank but the first holds them all."""
+    if not dist.is_initialized():
+        return [value]
+    me, size = rank_in(group)
+    everyone: list[Any] | None = [None] * size if me == 0 else None
+    dist.gather_object(value, everyone, group=group, group_dst=0)
+    return everyone
+
+
 def barrier(group: dist.ProcessGroup | None) -> None:
     """Wait for every process of `group` (no-op in a one-process job)."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
