@@ -68,6 +68,7 @@ def four_rank_runs(directory: str) -> dict[str, Any]:
       it), so it is lowered for these two to make every matrix go through P and Q;
     - "resume": 6 steps of `POWERSGD`, uninterrupted and as 4 + 2 through a consolidated
       checkpoint in `directory` (steps 3 and 4 leave error feedback and warm-start Qs);
+      "resume_sharded": the 4 + 2 through a sharded one;
     - "restart": what the main rank printed loading that checkpoint at PowerSGD rank 4.
     """
     from dtrain.parallel import compression
@@ -78,6 +79,10 @@ def four_rank_runs(directory: str) -> dict[str, Any]:
     whole = train(steps=6, close=False, **POWERSGD)
     train(steps=4, checkpoint_out=directory, close=False, **POWERSGD)
     out["resume"] = whole, train(steps=2, checkpoint_in=directory, close=False, **POWERSGD)
+    sharded = {**POWERSGD, "checkpoint_format": "sharded"}
+    train(steps=4, checkpoint_out=f"{directory}-sharded", close=False, **sharded)
+    resumed = train(steps=2, checkpoint_in=f"{directory}-sharded", close=False, **sharded)
+    out["resume_sharded"] = resumed
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         options = {**POWERSGD, "grad_compression": "powersgd:4"}
@@ -147,6 +152,7 @@ def test_powersgd_state_resumes_exactly(runs: tuple[dict[str, Any], Path]) -> No
     # vectors sent whole in another order (an ulp). Error feedback or Qs lost would move
     # the parameters by ~1e-3.
     assert_close(resumed, whole)
+    assert_close(results["resume_sharded"], whole)
     states = torch.load(checkpoint / TRAINER_FILE, weights_only=True)[POWERSGD_KEY]
     assert [s["world_size"] for s in states] == [4] * 4 and states[0]["iter"] == 4
     first, second = (s["errors"]["net.3.weight"] for s in states[:2])
