@@ -35,9 +35,13 @@ from dtrain.checkpoint.verify import verify
 from dtrain.collectives import gather_objects, gather_to_main, rank_in
 from dtrain.errors import CheckpointError
 from dtrain.observe.logs import LOGGER
+from dtrain.parallel.compression import powersgd_of
 from dtrain.position import Position
 from dtrain.precision import LossScaling
 from dtrain.strategies import Strategy
+
+POWERSGD_KEY = "powersgd_per_rank"
+"""The trainer file's list of every rank's PowerSGD state (`dtrain.parallel.compression`)."""
 
 
 class Checkpoints:
@@ -104,6 +108,7 @@ class Checkpoints:
         }
         # The same on every rank: the ranks agree on every skipped step.
         scaler = {"loss_scaler": self.loss_scaling.state_dict()} if self.loss_scaling else {}
+        compression = self._powersgd_states()
         info = {
             **position,
             "strategy": self.strategy.name,
@@ -133,6 +138,7 @@ class Checkpoints:
                 "optimizer_groups": merge_groups([groups for _, groups in everyone]),
                 **scaler,
                 **replicas,
+                **compression,
             }
             self._sharded.save(path, part, trainer, info, committed)
             return
@@ -147,12 +153,42 @@ class Checkpoints:
                 "rng_per_rank": rng_states,
                 **scaler,
                 **replicas,
+                **compression,
             }
             checkpoint.write(path, tensors, optimizer_state, trainer, info)
             committed()
 
         # The other ranks wait for it, and raise its error (a full disk) if it fails.
         decided_by_main(write, group, self.is_main)
+
+    def _powersgd_states(self) -> dict[str, Any]:
+        """Under --grad-compression powersgd, every rank's PowerSGD state (its own error
+        feedback) for the trainer file, gathered to the main rank (collective)."""
+        powersgd = powersgd_of(self.strategy.model)
+        if powersgd is None:
+            return {}
+        return {POWERSGD_KEY: gather_to_main(powersgd.state_dict(), self.strategy.train_group)}
+
+    def _load_powersgd(self, path: Path, trainer: dict[str, Any]) -> None:
+        """Continue each rank's PowerSGD state from the checkpoint; where the checkpoint
+        holds none for this job (another world size or PowerSGD rank, or none saved), warn
+        and let PowerSGD start afresh: two whole steps, then compression with no error
+        feedback carried over (another job's errors belong to other ranks' gradients)."""
+        powersgd = powersgd_of(self.strategy.model)
+        if powersgd is None:
+            return
+        states = trainer.get(POWERSGD_KEY) or []
+        me, ranks = rank_in(self.strategy.train_group)
+        mine = states[me] if len(states) == ranks else None
+        if powersgd.fits(mine):
+            powersgd.load_state_dict(mine)
+            return
+        message = (
+            f"{path} holds no PowerSGD state of {ranks} processes at rank {powersgd.rank}; "
+            "PowerSGD starts afresh (its error feedback restarts from zero)"
+        )
+        LOGGER.warning(message)
+        self.print(f"dtrain: warning: {message}.")
 
     def saved(self, path: str | Path) -> bool:
         """Whether the newest checkpoint beside `path` is `path`, intact (or is being
@@ -275,6 +311,7 @@ class Checkpoints:
         replicas = trainer.get("replica_states") or []
         if len(replicas) == ranks and not skipped:  # else all go on from the saved model
             self.strategy.load_replica_state(replicas[me], replicas[0], self.optimizer)
+        self._load_powersgd(path, trainer)
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
         return manifest
 

@@ -17,12 +17,12 @@ def gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 
 def gather_to_main(value: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
-    """`value` from every process of `group`, in rank order, on the group's first process;
-    None on the others."""
+    """`value` from every process of `group`, in rank order, on the group's first rank
+    (None on the others): unlike `gather_objects`, no rank but the first holds them all."""
     if not dist.is_initialized():
         return [value]
-    first = dist.get_rank(group) == 0
-    everyone: list[Any] | None = [None] * dist.get_world_size(group) if first else None
+    me, size = rank_in(group)
+    everyone: list[Any] | None = [None] * size if me == 0 else None
     dist.gather_object(value, everyone, group=group, group_dst=0)
     return everyone
 

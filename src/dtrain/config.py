@@ -31,6 +31,17 @@ ENV_VAR = "DTRAIN_CONFIG"
 MAX_TIMEOUT_S = 7 * 24 * 3600
 """The longest --timeout: a week of seconds, far below where torch's timers overflow."""
 
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+"""The kinds of --grad-compression (powersgd takes an optional :RANK)."""
+COMPRESSES_CAST = ("ddp", "zero1", "hsdp")
+"""The strategies whose gradient exchange fp16 and bf16 compress."""
+COMPRESSES_POWERSGD = ("ddp", "zero1")
+"""The strategies whose gradient exchange PowerSGD compresses: DDP's, through its hook."""
+POWERSGD_NOT_FSDP = (
+    " (hsdp's all-reduce across replicas runs inside FSDP2, which reduces in one dtype and "
+    "takes no compression hook: fp16 or bf16 compress it)"
+)
+
 PORTS = range(1, 65536)
 """The TCP ports --master and --ssh-port may name."""
 
@@ -89,6 +100,14 @@ class Config:
         "fp32",
         "fp32; bf16-mixed (bf16 compute, fp32 master weights and reductions); or fp16-mixed "
         "(the same in fp16, with dynamic loss scaling: for GPUs without bf16).",
+    )
+    grad_compression: str = option(
+        "none",
+        "Compress the gradients each step sends between data-parallel processes (ddp, "
+        "--hierarchical, zero1, hsdp): none; fp16 or bf16 (all-reduced in that format, half "
+        "the bytes; under hsdp every gradient reduction, inside machines too); or "
+        "powersgd[:RANK] (ddp, zero1: low-rank PowerSGD with error feedback, rank 1 unless "
+        "given, e.g. powersgd:4; the first two steps are sent whole).",
     )
     activation_checkpointing: str = option(
         "none",
@@ -348,6 +367,7 @@ class Config:
                 f"Unknown --activation-checkpointing '{self.activation_checkpointing}'; choose "
                 f"one of {', '.join(ACTIVATION_CHECKPOINTING)}."
             )
+        self._validate_grad_compression()
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # false for nan too
             raise ConfigError(
                 f"--timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S} "
@@ -407,6 +427,34 @@ class Config:
         self._validate_ps()
         self._validate_local_sgd()
         self._validate_model_parallel()
+
+    def _validate_grad_compression(self) -> None:
+        """A known --grad-compression, under a strategy whose gradient exchange it compresses."""
+        kind, _ = grad_compression(self.grad_compression)
+        if kind == "none":
+            return
+        flag = f"--grad-compression {self.grad_compression}"
+        if self.strategy in ("single", "towers"):
+            raise ConfigError(
+                f"{flag} compresses the gradients processes send each other, and --strategy "
+                f"{self.strategy} runs in one process, which sends none; drop the flag, or use "
+                "--strategy ddp with --nproc 2 or more."
+            )
+        allowed = COMPRESSES_POWERSGD if kind == "powersgd" else COMPRESSES_CAST
+        if self.strategy not in allowed:
+            why = POWERSGD_NOT_FSDP if self.strategy == "hsdp" else ""
+            raise ConfigError(
+                f"{flag} compresses the gradient all-reduce of --strategy "
+                f"{', '.join(allowed[:-1])} or {allowed[-1]}, not {self.strategy}{why}; use one "
+                "of those strategies, or drop the flag."
+            )
+        if kind == "powersgd" and self.hierarchical:
+            raise ConfigError(
+                f"{flag} cannot run with --hierarchical: PowerSGD issues its all-reduces "
+                "from callbacks, while the hierarchical hook must issue every bucket's reduce "
+                "and broadcast inside a machine in bucket order on every rank. Use "
+                "--grad-compression fp16 or bf16 with --hierarchical, or drop --hierarchical."
+            )
 
     def _validate_output_names(self) -> None:
         """An empty path would quietly fall back to the default (--out) or to the current
@@ -589,6 +637,27 @@ class Config:
         """The configuration `dtrain run` passed to this process, or None outside it."""
         text = os.environ.get(ENV_VAR)
         return cls.from_json(text) if text else None
+
+
+def grad_compression(text: str) -> tuple[str, int]:
+    """(kind, PowerSGD rank) of ``--grad-compression``: ``powersgd:4`` is ("powersgd", 4),
+    ``powersgd`` rank 1, the others rank 0 (unused); a ConfigError listing the choices."""
+    kind, colon, rank = text.partition(":")
+    if kind not in GRAD_COMPRESSIONS or (colon and kind != "powersgd"):
+        raise ConfigError(
+            f"Unknown --grad-compression '{text}'; choose one of none, fp16, bf16, powersgd or "
+            "powersgd:RANK (for example powersgd:4)."
+        )
+    if kind != "powersgd":
+        return kind, 0
+    if not colon:
+        return kind, 1
+    if not (rank.isascii() and rank.isdigit()) or int(rank) < 1:
+        raise ConfigError(
+            f"--grad-compression powersgd:RANK needs a whole RANK of at least 1, got '{rank}'; "
+            "for example powersgd:4 (powersgd alone is rank 1)."
+        )
+    return kind, int(rank)
 
 
 def step_window(text: str) -> tuple[int, int]:

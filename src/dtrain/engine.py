@@ -622,6 +622,8 @@ class Engine:
         if scaling is not None:
             summary["skipped_steps"] = scaling.skipped
             summary["loss_scale"] = scaling.scale_value
+        if self.config.grad_compression != "none":
+            summary["grad_compression"] = self.config.grad_compression
         metrics_path = self.report.finish(
             {
                 **summary,

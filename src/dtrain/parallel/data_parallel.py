@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import OFFLOAD_NEEDS_GPUS, ConfigError
+from dtrain.parallel.compression import cast_dtype, register_compression
 from dtrain.parallel.hierarchical import HostGroups, hierarchical_hook
 from dtrain.parallel.materialize import materialize
 from dtrain.precision import compute_dtype
@@ -44,6 +45,10 @@ class ShardOptions:
     """Keep the shards (parameters, gradients, optimizer state) in host memory."""
     prefetch: bool = True
     """Gather the next block's parameters while the current one computes."""
+    grad_compression: str = "none"
+    """--grad-compression: fp16 or bf16 reduce the gradients in that dtype (FSDP2's reduce
+    dtype, for the reduce-scatter and, under hsdp, the all-reduce across replicas alike:
+    it reduces both in one dtype)."""
 
     def fully_shard_kwargs(
         self, mesh: DeviceMesh, device: torch.device, root: bool
@@ -52,14 +57,15 @@ class ShardOptions:
         or for the `root` (the whole model or a pipeline stage)."""
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
         dtype = compute_dtype(self.precision)
-        if dtype is not None:
+        reduce_dtype = cast_dtype(self.grad_compression)
+        if dtype is not None or reduce_dtype is not None:
             # Blocks hand bf16 (fp16) activations to each other; only the root's output
             # (what the loss sees) goes back to fp32. An fp32 output from every block would
             # reach the next bf16 layer norm, which the CPU kernels refuse.
             kwargs["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=dtype,
-                reduce_dtype=torch.float32,
-                output_dtype=torch.float32 if root else None,
+                reduce_dtype=reduce_dtype or torch.float32,
+                output_dtype=torch.float32 if root and dtype is not None else None,
             )
         if self.cpu_offload:
             if device.type != "cuda":
@@ -75,11 +81,14 @@ def apply_ddp(
     hosts: HostGroups | None = None,
     find_unused_parameters: bool = False,
     init_sync: bool = True,
+    grad_compression: str = "none",
 ) -> DistributedDataParallel:
     """`model` replicated over `group` with DistributedDataParallel; with `hosts`,
-    gradients are averaged machine by machine (`dtrain.parallel.hierarchical`).
-    `find_unused_parameters`: DDP's option of that name. `init_sync`: broadcast rank 0's
-    parameters and buffers first (False where `dtrain.parallel.broadcast` already did)."""
+    gradients are averaged machine by machine (`dtrain.parallel.hierarchical`, which
+    applies a cast --grad-compression itself), else compressed by `grad_compression`
+    (`dtrain.parallel.compression`). `find_unused_parameters`: DDP's option of that name.
+    `init_sync`: broadcast rank 0's parameters and buffers first (False where
+    `dtrain.parallel.broadcast` already did)."""
     wrapped = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -89,6 +98,8 @@ def apply_ddp(
     )
     if hosts is not None:
         wrapped.register_comm_hook(hosts, hierarchical_hook)
+    else:
+        register_compression(wrapped, group, grad_compression)
     return wrapped
 
 

@@ -31,11 +31,15 @@ class HostGroups:
     """The leaders of every machine; None on ranks that do not lead."""
     world: int
     """Ranks in all (the gradients are averaged over them)."""
+    compress: torch.dtype | None = None
+    """The dtype the leaders all-reduce in across machines (--grad-compression fp16 or
+    bf16); None: the gradients' own."""
 
 
-def host_groups(world: int, per_host: int) -> HostGroups:
+def host_groups(world: int, per_host: int, compress: torch.dtype | None = None) -> HostGroups:
     """The groups for `world` ranks laid out `per_host` to a machine (ranks of one machine
-    are consecutive, as the launcher numbers them). Every rank must call it (new_group)."""
+    are consecutive, as the launcher numbers them), the leaders all-reducing in `compress`
+    (None: uncompressed). Every rank must call it (new_group)."""
     if world % per_host:
         raise ConfigError(
             f"--hierarchical groups the {world} processes by machine, {per_host} to a machine "
@@ -52,7 +56,7 @@ def host_groups(world: int, per_host: int) -> HostGroups:
     across = dist.new_group(leaders)
     assert inside is not None
     mine = hosts[rank // per_host]
-    return HostGroups(inside, mine[0], across if rank in leaders else None, world)
+    return HostGroups(inside, mine[0], across if rank in leaders else None, world, compress)
 
 
 def hierarchical_hook(
@@ -66,14 +70,18 @@ def hierarchical_hook(
     callback instead, a bucket's broadcast and the next bucket's reduce would come in one
     order on the leader (which first waits for the all-reduce across machines) and in the
     other on the rest of its machine, and the machine would deadlock on a model of several
-    buckets. The broadcast back is left running while backward goes on.
+    buckets. The broadcast back is left running while backward goes on. With
+    `state.compress` the leaders send the machines' sums in that dtype (the slow links carry
+    half the bytes); inside a machine the gradients go at full precision.
     """
     tensor = bucket.buffer().div_(state.world)
     reduced = dist.reduce(tensor, dst=state.leader, group=state.inside, async_op=True)
     assert reduced is not None
     reduced.wait()
     if state.across is not None:
-        dist.all_reduce(tensor, group=state.across)
+        sent = tensor.to(state.compress or tensor.dtype)  # `tensor` itself if uncompressed
+        dist.all_reduce(sent, group=state.across)
+        tensor.copy_(sent)
     back = dist.broadcast(tensor, src=state.leader, group=state.inside, async_op=True)
     assert back is not None
     return back.get_future().then(lambda _: tensor)

@@ -31,6 +31,7 @@ from dtrain.config import Config
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.blocks import find_blocks, self_contained
 from dtrain.parallel.compile import compile_blocks
+from dtrain.parallel.compression import cast_dtype
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import ParallelMesh
 from dtrain.parallel.hierarchical import host_groups
@@ -70,6 +71,7 @@ def shard_options(config: Config, reshard_after_forward: bool, pp_enabled: bool)
         reshard_after_forward=reshard_after_forward and not pp_enabled,
         precision=config.precision,
         cpu_offload=config.cpu_offload,
+        grad_compression=config.grad_compression,
     )
 
 
@@ -133,9 +135,20 @@ def parallelize(
     elif d.dp_enabled and (stages or plan is not None):
         apply_replicate(units, blocks, mesh.dp_mesh)
     elif d.dp_enabled:
-        hosts = host_groups(d.dp, config.nproc) if config.hierarchical else None
+        compression = config.grad_compression
+        hosts = (
+            host_groups(d.dp, config.nproc, cast_dtype(compression))
+            if config.hierarchical
+            else None
+        )
         wrapped = apply_ddp(
-            model, mesh.dp_group, device, hosts, config.find_unused_parameters, init_sync=False
+            model,
+            mesh.dp_group,
+            device,
+            hosts,
+            config.find_unused_parameters,
+            init_sync=False,
+            grad_compression=compression,
         )
     if not stages:
         return Parallelized(wrapped, local)

@@ -1,0 +1,268 @@
+"""--grad-compression: fp16/bf16 casts and PowerSGD train the model single trains, within
+what the compression loses; PowerSGD's state resumes exactly; misuse is refused by name."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+from test_cli import demo
+from torch.testing import assert_close
+from training import CLOSE, train, train_variants
+
+import dtrain
+from dtrain.checkpoint.format import TRAINER_FILE
+from dtrain.checkpointing import POWERSGD_KEY
+from dtrain.config import grad_compression
+from dtrain.errors import ConfigError
+
+STEPS = 3
+
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+"""Half the spacing of the format's numbers near 1: the largest relative error of one cast."""
+
+
+@pytest.fixture(scope="module")
+def start_and_reference() -> tuple[dict, dict]:
+    """The MLP's initial parameters and single's after `STEPS` SGD steps."""
+    return train(strategy="single", steps=0), train(strategy="single", steps=STEPS)
+
+
+def displacement_error(params: dict, reference: dict, start: dict) -> float:
+    """The largest relative distance, over the tensors, between what `params` and
+    `reference` moved from `start`: ||dp - dr|| / ||dr||."""
+    return max(
+        float((params[k] - reference[k]).norm() / (reference[k] - start[k]).norm())
+        for k in reference
+    )
+
+
+CAST_VARIANTS = [
+    ({"strategy": "ddp", "grad_compression": "fp16"}, 4),
+    ({"strategy": "ddp", "grad_compression": "bf16"}, 4),
+    ({"strategy": "zero1", "grad_compression": "bf16"}, 4),
+    ({"strategy": "ddp", "hierarchical": True, "nproc": 2, "grad_compression": "fp16"}, 2),
+    ({"strategy": "hsdp", "shard_size": 2, "grad_compression": "bf16"}, 3),
+]
+"""At 4 ranks: (options, roundings), where roundings counts the cast and each addition
+made in the format (dividing by a power of two is exact): 1 + 3 along a ring of 4 (ddp,
+zero1); 1 + 1 between 2 machines' leaders (hierarchical: 2 "machines" of 2, the cast is
+what crosses them); 1 + 1 in the reduce-scatter + 1 in the all-reduce across replicas
+(hsdp: 2 replicas sharded over 2)."""
+
+POWERSGD = {"strategy": "ddp", "grad_compression": "powersgd:2"}
+
+
+def four_rank_runs(directory: str) -> dict[str, Any]:
+    """Every multi-process run of this file, in one job of 4 ranks:
+
+    - "cast": `CAST_VARIANTS` after `STEPS` steps;
+    - "full", "low": ddp, then PowerSGD at rank 64 (above every matrix's smaller side) and
+      at rank 1, 5 steps each (steps 3 to 5 compressed). torch's default minimum
+      compression rate of 2 sends a full-rank matrix whole (its factors are larger than
+      it), so it is lowered for these two to make every matrix go through P and Q;
+    - "resume": 6 steps of `POWERSGD`, uninterrupted and as 4 + 2 through a consolidated
+      checkpoint in `directory` (steps 3 and 4 leave error feedback and warm-start Qs);
+      "resume_sharded": the 4 + 2 through a sharded one;
+    - "restart": what the main rank printed loading that checkpoint at PowerSGD rank 4.
+    """
+    from dtrain.parallel import compression
+
+    out: dict[str, Any] = {}
+    cast = [{**variant, "steps": STEPS} for variant, _ in CAST_VARIANTS]
+    out["cast"] = [train(close=False, **variant) for variant in cast]
+    whole = train(steps=6, close=False, **POWERSGD)
+    train(steps=4, checkpoint_out=directory, close=False, **POWERSGD)
+    out["resume"] = whole, train(steps=2, checkpoint_in=directory, close=False, **POWERSGD)
+    sharded = {**POWERSGD, "checkpoint_format": "sharded"}
+    train(steps=4, checkpoint_out=f"{directory}-sharded", close=False, **sharded)
+    resumed = train(steps=2, checkpoint_in=f"{directory}-sharded", close=False, **sharded)
+    out["resume_sharded"] = resumed
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        options = {**POWERSGD, "grad_compression": "powersgd:4"}
+        train(steps=1, checkpoint_in=directory, close=False, **options)
+    out["restart"] = printed.getvalue()
+    default_rate = compression.MIN_COMPRESSION_RATE
+    compression.MIN_COMPRESSION_RATE = 0.25
+    variants = [
+        {"strategy": "ddp"},
+        {"strategy": "ddp", "grad_compression": "powersgd:64"},
+        {"strategy": "ddp", "grad_compression": "powersgd:1"},
+    ]
+    out["plain"], out["full"], out["low"] = train_variants(
+        [{**variant, "steps": 5} for variant in variants]
+    )
+    compression.MIN_COMPRESSION_RATE = default_rate
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """`four_rank_runs`' results on the main rank, and the checkpoint it wrote."""
+    checkpoint = tmp_path_factory.mktemp("powersgd") / "step-4"
+    return run_ranks(four_rank_runs, 4, str(checkpoint), timeout=290)[0], checkpoint
+
+
+@pytest.mark.timeout(300)
+def test_cast_compression_trains_as_single(
+    start_and_reference: tuple[dict, dict], runs: tuple[dict[str, Any], Path]
+) -> None:
+    """fp16 and bf16 under ddp, zero1, hierarchical ddp and hsdp move the parameters as
+    single does, within the format's rounding.
+
+    Each element of each step's averaged gradient is off by at most `roundings` x u
+    relative (u the unit roundoff); momentum SGD, linear in the updates, moves the
+    parameters by the same relative amount off, plus the second-order change of later
+    gradients at the slightly moved parameters: twice the first-order bound leaves room
+    for it; fp32's reordering noise (~1e-7) is far below it. The error must also exceed
+    that noise: the cast did happen."""
+    start, reference = start_and_reference
+    for (variant, roundings), params in zip(CAST_VARIANTS, runs[0]["cast"], strict=True):
+        error = displacement_error(params, reference, start)
+        bound = 2 * roundings * UNIT_ROUNDOFF[variant["grad_compression"]]
+        assert 1e-6 < error < bound, f"{variant}: relative displacement error {error:.2e}"
+
+
+@pytest.mark.timeout(300)
+def test_powersgd_at_full_rank_trains_as_ddp(runs: tuple[dict[str, Any], Path]) -> None:
+    """At full rank P = MQ spans the summed gradient's columns and PQ^T gives it back, up to
+    fp32 rounding in the orthogonalisation; each rank's error feedback (its gradient
+    minus the average) sums to zero over the ranks, so the average stays exact. Rank 1
+    does differ: the comparison sees the compression."""
+    results = runs[0]
+    assert_close(results["full"], results["plain"], **CLOSE)
+    low, plain = results["low"], results["plain"]
+    assert max(float((low[k] - plain[k]).abs().max()) for k in plain) > 1e-3
+
+
+@pytest.mark.timeout(300)
+def test_powersgd_state_resumes_exactly(runs: tuple[dict[str, Any], Path]) -> None:
+    """Stopped and resumed, PowerSGD trains as uninterrupted, each rank with its own error
+    feedback; loaded into a job that cannot use it, it warns and starts afresh."""
+    results, checkpoint = runs
+    whole, resumed = results["resume"]
+    # Not bit for bit: the resumed DDP's first step buckets the parameters in their initial
+    # order, the uninterrupted one in gradient-ready order, and a ring of 4 can then sum the
+    # vectors sent whole in another order (an ulp). Error feedback or Qs lost would move
+    # the parameters by ~1e-3.
+    assert_close(resumed, whole)
+    assert_close(results["resume_sharded"], whole)
+    states = torch.load(checkpoint / TRAINER_FILE, weights_only=True)[POWERSGD_KEY]
+    assert [s["world_size"] for s in states] == [4] * 4 and states[0]["iter"] == 4
+    first, second = (s["errors"]["net.3.weight"] for s in states[:2])
+    assert not torch.equal(first, second)
+    assert "holds no PowerSGD state of 4 processes at rank 4" in results["restart"]
+
+
+@pytest.mark.timeout(120)
+def test_demo_with_powersgd_rank_2_reaches_95_percent(tmp_path: Path) -> None:
+    flags = ("--strategy", "ddp", "--nproc", "2", "--grad-compression", "powersgd:2")
+    metrics = demo(tmp_path, *flags)
+    assert metrics["test_accuracy"] >= 0.95
+    assert metrics["grad_compression"] == "powersgd:2"
+
+
+def test_grad_compression_values_parse() -> None:
+    assert grad_compression("none") == ("none", 0)
+    assert grad_compression("bf16") == ("bf16", 0)
+    assert grad_compression("powersgd") == ("powersgd", 1)
+    assert grad_compression("powersgd:4") == ("powersgd", 4)
+    for bad in ("fp8", "fp16:2", "powersgd:", "powersgd:x", "POWERSGD"):
+        with pytest.raises(ConfigError, match="choose one of none, fp16, bf16, powersgd|needs"):
+            grad_compression(bad)
+    for rank in ("0", "-1"):
+        with pytest.raises(ConfigError, match="needs a whole RANK of at least 1"):
+            dtrain.Config(strategy="ddp", grad_compression=f"powersgd:{rank}")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"strategy": "single"}, "--strategy single runs in one process, which sends none"),
+        ({"strategy": "towers"}, "--strategy towers runs in one process"),
+        ({"strategy": "zero3"}, "of --strategy ddp, zero1 or hsdp, not zero3"),
+        ({"strategy": "zero2"}, "of --strategy ddp, zero1 or hsdp, not zero2"),
+        ({"strategy": "ps"}, "of --strategy ddp, zero1 or hsdp, not ps"),
+        ({"strategy": "pipeline"}, "of --strategy ddp, zero1 or hsdp, not pipeline"),
+        ({"strategy": "tensor"}, "of --strategy ddp, zero1 or hsdp, not tensor"),
+        ({"strategy": "hybrid"}, "of --strategy ddp, zero1 or hsdp, not hybrid"),
+        (
+            {"strategy": "hsdp", "grad_compression": "powersgd"},
+            "inside FSDP2, which reduces in one dtype and takes no compression hook",
+        ),
+        (
+            {"strategy": "ddp", "hierarchical": True, "grad_compression": "powersgd:2"},
+            "cannot run with --hierarchical",
+        ),
+    ],
+)
+def test_strategies_it_cannot_compress_are_refused(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        dtrain.Config(**{"grad_compression": "bf16", **options})
+
+
+def test_the_flag_and_the_toml_key_reach_config(tmp_path: Path) -> None:
+    from dtrain.cli import build_parser
+    from dtrain.config_file import parse_with_config
+    from dtrain.flags import config_from
+
+    path = tmp_path / "job.toml"
+    path.write_text('strategy = "ddp"\nnproc = 2\ngrad-compression = "powersgd:4"\n')
+    config = config_from(parse_with_config(build_parser(), ["demo", "--config", str(path)]))
+    assert config.grad_compression == "powersgd:4"
+    argv = ["run", "--config", str(path), "--grad-compression", "bf16", "train.py"]
+    assert config_from(parse_with_config(build_parser(), argv)).grad_compression == "bf16"
+
+
+class OneGroup:
+    """What PowerSGD asks of its process group outside a hook: the number of ranks."""
+
+    def size(self) -> int:
+        return 2
+
+
+def test_powersgd_state_follows_each_parameter_into_new_buckets() -> None:
+    """DDP rebuilds its buckets after its first step (and a resumed job's first buckets
+    are the initial ones): each parameter's error and Q go back where it now sits. torch's
+    Q buffer holds the compressed matrices grouped by shape, in order of first appearance."""
+    from torch import nn
+
+    from dtrain.parallel.compression import PowerSGD
+
+    # Never run: only the shapes matter, two of them alike (16 x 8).
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(8, 16))
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    after = list(shapes)  # DDP's rebuilt order here
+    before = after[::-1]  # its initial order
+    powersgd = PowerSGD(OneGroup(), 1, model)  # type: ignore[arg-type]
+    state = powersgd.torch_state
+    sizes = [shapes[name].numel() for name in before]
+    state.error_dict[0] = torch.arange(float(sum(sizes)))
+    errors = dict(zip(before, torch.split(state.error_dict[0], sizes), strict=True))
+    # Rank-1 factors: a Q row per matrix column. Grouped by shape in `before`: 2.weight and
+    # 0.weight (8 each), then 1.weight (16).
+    state.q_memory_dict[0] = torch.arange(1000.0, 1032.0)
+    order = ["2.weight", "0.weight", "1.weight"]
+    qs = dict(zip(order, torch.split(state.q_memory_dict[0], [8, 8, 16]), strict=True))
+    state.p_memory_dict[0] = torch.empty(16 + 16 + 4)
+    powersgd._layouts[0] = tuple((name, shapes[name]) for name in before)
+
+    powersgd._file_by_parameter()
+    assert not state.error_dict and not state.q_memory_dict
+    layout = tuple((name, shapes[name]) for name in after)
+    powersgd._layouts[0] = layout
+    powersgd._restore(0, layout, torch.empty(0))
+
+    assert torch.equal(state.error_dict[0], torch.cat([errors[name] for name in after]))
+    expected = [qs[name] for name in ("0.weight", "2.weight", "1.weight")]
+    assert torch.equal(state.q_memory_dict[0], torch.cat(expected))
+    assert state.p_memory_dict[0].numel() == 16 + 16 + 4
+    saved = powersgd.state_dict()
+    assert all(torch.equal(saved["errors"][name], errors[name]) for name in after)
+    assert all(torch.equal(saved["q"][name], qs[name]) for name in order)
