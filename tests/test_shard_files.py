@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_cli
 from distributed import run_ranks
+from test_cli import demo
+from test_cli_fast import cli_without_torch
 from test_streams import feeder, global_batches
 from torch import nn
 from torch.testing import assert_close
@@ -113,39 +116,47 @@ def test_a_resumed_epoch_equals_the_uninterrupted_one_at_another_world_size(
         resumed = read(directory, world, epoch=1, resume_at=(1, GLOBAL_BATCH), num_workers=workers)
         assert global_batches(resumed) == uninterrupted[1:], world
     assert read(directory, 2, epoch=0, resume_at=(1, GLOBAL_BATCH)) == [[], []]
+    # Evaluation (no drop_last) reads them as a map-style dataset: every sample once.
+    evaluated = []
+    for rank in (0, 1):
+        fed = feeder(2, rank)
+        loader = fed.loader(ShardFiles(directory), None, 10, False, False, seed=0)
+        evaluated += [i for batch in fed.epoch(loader, 0, "", lambda: None) for i in batch.tolist()]
+    assert sorted(evaluated) == list(range(SIZE))
     # The files' own seed wins over the engine's (3 in `read`).
     own = global_batches(read(ShardFiles(directory, seed=5, shuffle_block=2), 1, epoch=1))
     assert own != uninterrupted
     assert own == global_batches(read(ShardFiles(directory, seed=5, shuffle_block=2), 2, epoch=1))
 
 
-def test_formats_a_decode_hook_and_the_left_out_note(tmp_path: Path) -> None:
+def test_formats_a_decode_hook_and_unequal_partitions(tmp_path: Path) -> None:
     pairs = [(torch.full((2,), float(i)), torch.tensor(i % 3)) for i in range(SIZE + 2)]
     for fmt in ("pt", "npz"):
         files = ShardFiles(write_shards(pairs, tmp_path / fmt, SHARD, 2, fmt))
         assert len(files) == SIZE + 2
         assert_close(files[31], pairs[31])
-        said: list[str] = []
-        fed = feeder(1, 0)
-        fed.say = said.append
-        fed.loader(files, None, GLOBAL_BATCH, True, True, seed=0)
-        assert said[0].endswith("4 steps per epoch, 6 samples from each of its 2 partitions; "
-                                "the smallest decides, 2 samples are left out each epoch.")
-    # Another format: the user's index and decoder (one JSON list of ids per file).
+    # Another format: the user's index and decoder (one JSON list of ids per file), with
+    # partitions of 12 and 36 samples: 2 steps of 6 from each, the note says.
     custom = tmp_path / "custom"
     custom.mkdir()
     shards = []
     for k in range(4):
         (custom / f"{k}.json").write_text(json.dumps(list(range(k * 12, k * 12 + 12))))
-        shards.append({"name": f"{k}.json", "samples": 12, "partition": k // 2})
+        shards.append({"name": f"{k}.json", "samples": 12, "partition": min(k, 1)})
     index = {"format": "json", "partitions": 2, "shards": shards}
     (custom / "index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="names the format 'json'.*pass decode="):
         ShardFiles(custom)
     decoded = ShardFiles(custom, decode=lambda path: torch.tensor(json.loads(path.read_text())))
-    assert sorted(i for batch in global_batches(read(decoded, 1)) for i in batch) == list(
-        range(SIZE)
-    )
+    said: list[str] = []
+    fed = feeder(1, 0)
+    fed.say = said.append
+    loader = fed.loader(decoded, None, GLOBAL_BATCH, True, True, seed=0)
+    assert said[0].endswith("partitions hold 12 to 36 samples and each step takes 6 of each, "
+                            "so the smallest decides: 2 steps per epoch, 24 samples left out.")
+    batches = [batch.tolist() for batch in fed.epoch(loader, 0, "", lambda: None)]
+    assert sorted(i for batch in batches for i in batch[:6]) == list(range(12))
+    assert len(batches) == 2 and all(min(batch[6:]) >= 12 for batch in batches)
 
 
 def test_what_shard_files_cannot_honour_is_refused_by_name(tmp_path: Path) -> None:
@@ -233,3 +244,20 @@ def test_shard_files_train_as_single_and_resume_at_another_world_size(tmp_path: 
     uninterrupted, resumed = run_ranks(at_two_ranks, 2, directory, path)[0]
     assert_close(uninterrupted, reference)
     assert_close(resumed, reference)
+
+
+@pytest.mark.timeout(240)
+def test_the_demo_trains_the_digits_from_shards_the_cli_wrote(tmp_path: Path) -> None:
+    assert "--partitions PARTITIONS" in cli_without_torch(tmp_path, "data", "write", "-h").stdout
+    shards = str(tmp_path / "shards")
+    flags = ("--shard-size", "128", "--partitions", "2")
+    written = run_cli("data", "write", "--dataset", "digits", "--out", shards, *flags, cwd=tmp_path)
+    assert "the 1437 training samples of digits in 2 partition(s)" in written.stdout
+    metrics = demo(tmp_path, "--strategy", "ddp", "--nproc", "2", "--data", shards)
+    assert metrics["test_accuracy"] >= 0.95
+    assert metrics["steps"] == 12 * (718 // 32)  # partitions of 719 and 718 samples
+    wrong = run_cli("demo", "--model", "gpt", "--data", shards, "--out", "gpt", cwd=tmp_path)
+    assert "holds samples of shapes [(1, 8, 8), ()], but --model gpt" in wrong.stderr
+    assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
+    missing = run_cli("demo", "--data", str(tmp_path), cwd=tmp_path)
+    assert missing.returncode == 2 and "holds no index.json; write shard files" in missing.stderr

@@ -259,20 +259,28 @@ class ShardShare(StreamShare):
                 f"{self.global_batch_size}; lower the batch size, or write the shards in "
                 "fewer partitions."
             )
+        self.sizes = sizes
         self.dropped = sum(sizes) - self.steps * self.global_batch_size
-        """Samples of an epoch no step takes (the larger partitions' rest)."""
+        """Samples of an epoch no step takes."""
 
     def __len__(self) -> int:
         return self.steps
 
+    def example(self) -> Any:
+        """The first sample of this rank's first partition: one to check against the model
+        without opening another machine's files."""
+        partition = self.pieces[0][0]
+        return self.files[self.files.starts[self.files.of_partition[partition][0]]]
+
     def note(self) -> str | None:
-        """The line telling that the partitions' sizes leave samples out, if they do."""
-        if not self.dropped:
+        """The line telling that unequal partitions leave more samples out of each epoch
+        than its last incomplete global batch, if they do."""
+        if self.dropped <= sum(self.sizes) % self.global_batch_size:
             return None
         return (
-            f"dtrain: {self.files.directory}: {self.steps} steps per epoch, {self.part} "
-            f"samples from each of its {self.files.partitions} partitions; the smallest "
-            f"decides, {self.dropped} samples are left out each epoch."
+            f"dtrain: {self.files.directory}: its partitions hold {min(self.sizes)} to "
+            f"{max(self.sizes)} samples and each step takes {self.part} of each, so the "
+            f"smallest decides: {self.steps} steps per epoch, {self.dropped} samples left out."
         )
 
     def __iter__(self) -> Iterator[Any]:
@@ -409,6 +417,14 @@ def _write_npz(samples: list[Any], path: Path) -> None:
         np.savez(f, *[np.stack([np.asarray(value) for value in field]) for field in fields])
 
 
+def _read_pt(path: Path) -> list[Any]:
+    return torch.load(path, weights_only=True)
+
+
+def _read_npy(path: Path) -> _Rows:
+    return _Rows([np.load(path, mmap_mode="r")])
+
+
 def _read_npz(path: Path) -> _Rows:
     with np.load(path) as arrays:
         return _Rows([arrays[f"arr_{k}"] for k in range(len(arrays.files))])
@@ -419,11 +435,8 @@ _WRITERS: dict[str, Callable[[list[Any], Path], None]] = {
     "npy": _write_npy,
     "npz": _write_npz,
 }
-_READERS: dict[str, Decode] = {
-    "pt": lambda path: torch.load(path, weights_only=True),
-    "npy": lambda path: _Rows([np.load(path, mmap_mode="r")]),
-    "npz": _read_npz,
-}
+_READERS: dict[str, Decode] = {"pt": _read_pt, "npy": _read_npy, "npz": _read_npz}
+"""Module-level functions, so that a ShardFiles pickles (DataLoader workers spawned)."""
 
 
 def _owned(sample: Any) -> Any:
