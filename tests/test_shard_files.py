@@ -3,6 +3,7 @@ any world size, each rank opening only its partition's files, resume straight at
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ from torch.testing import assert_close
 from training import finish
 
 import dtrain
+from dtrain.datasets import load_text
+from dtrain.demo import check_shards
 from dtrain.errors import ConfigError, SetupError
 from dtrain.position import Position
-from dtrain.shard_files import ShardFiles, write_shards
+from dtrain.shard_files import ShardFiles, ShardShare, write_shards
 
 SIZE = 48  # 2 partitions of 24 = shards of 5, 5, 5, 5, 4
 SHARD = 5
@@ -173,7 +176,13 @@ def test_what_shard_files_cannot_honour_is_refused_by_name(tmp_path: Path) -> No
     # Damage: a shard rewritten, then an index that lists another count, then a lost file.
     (directory / "shard-00002.pt").write_bytes(b"not a shard")
     with pytest.raises(ConfigError, match="shard-00002.pt has 11 bytes but .*index.json rec"):
-        ShardFiles(directory)
+        feeder(1, 0).loader(ShardFiles(directory), None, 12, True, True, seed=0)
+    with pytest.raises(ConfigError, match="shard-00002.pt has 11 bytes but .*index.json rec"):
+        ShardFiles(directory)[12]
+    # A machine holding only partition 1's files trains its ranks' shares (rank 2 of 4).
+    fed = feeder(4, 2)
+    loader = fed.loader(ShardFiles(directory), None, 12, True, True, seed=0)
+    assert len(list(fed.epoch(loader, 0, "", lambda: None))) == STEPS
     index = json.loads((directory / "index.json").read_text())
     for shard in index["shards"]:
         shard.pop("bytes")
@@ -185,9 +194,24 @@ def test_what_shard_files_cannot_honour_is_refused_by_name(tmp_path: Path) -> No
         ShardFiles(directory)[12]
     (directory / "shard-00004.pt").unlink()
     with pytest.raises(ConfigError, match="shard-00004.pt listed in .* is missing; restore"):
-        ShardFiles(directory)
+        feeder(2, 0).loader(ShardFiles(directory), None, 12, True, True, seed=0)
     with pytest.raises(ConfigError, match="has no index.json; write the shards again"):
         ShardFiles(tmp_path)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shards = [{"name": "a.pt", "samples": 3, "partition": 1}, {"name": "b.pt", "samples": 3}]
+    (bad / "index.json").write_text(json.dumps({"format": "pt", "partitions": 2, "shards": shards}))
+    with pytest.raises(ConfigError, match="index.json is not a readable shard index .*partition"):
+        ShardFiles(bad)
+    shards[1]["partition"] = 0
+    (bad / "index.json").write_text(json.dumps({"format": "pt", "partitions": 2, "shards": shards}))
+    with pytest.raises(ConfigError, match="must list the shards of partition 0, then 1, ... up"):
+        ShardFiles(bad)
+    with pytest.raises(ConfigError, match="holds files other than shard files, and writing"):
+        ids(tmp_path, 1)
+    with pytest.raises(ConfigError, match="48 samples cannot fill 49 partitions; use between"):
+        ids(tmp_path / "d", 49)
+    assert len(ShardFiles(ids(tmp_path / "d", 1))) == SIZE  # earlier shards are replaced
 
 
 TRAIN_STEPS = 7  # 4 steps in epoch 0, 3 in epoch 1
@@ -256,8 +280,9 @@ def test_the_demo_trains_the_digits_from_shards_the_cli_wrote(tmp_path: Path) ->
     metrics = demo(tmp_path, "--strategy", "ddp", "--nproc", "2", "--data", shards)
     assert metrics["test_accuracy"] >= 0.95
     assert metrics["steps"] == 12 * (718 // 32)  # partitions of 719 and 718 samples
-    wrong = run_cli("demo", "--model", "gpt", "--data", shards, "--out", "gpt", cwd=tmp_path)
-    assert "holds samples of shapes [(1, 8, 8), ()], but --model gpt" in wrong.stderr
-    assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
+    share = ShardShare(ShardFiles(shards), 64, 1, 0, True, 0)
+    wrong = argparse.Namespace(model="gpt", data=shards)
+    with pytest.raises(ConfigError, match=r"shapes \[\(1, 8, 8\), \(\)\], but --model gpt"):
+        check_shards(share, load_text()[0], wrong)
     missing = run_cli("demo", "--data", str(tmp_path), cwd=tmp_path)
     assert missing.returncode == 2 and "holds no index.json; write shard files" in missing.stderr

@@ -34,6 +34,8 @@ from dtrain.errors import ConfigError, SetupError
 from dtrain.streams import StreamShare
 
 INDEX = "index.json"
+REWRITE = "write the shards again (dtrain.write_shards or `dtrain data write`)"
+"""The fix for shard files that do not match their index, as error messages end."""
 FORMATS = ("pt", "npy", "npz")
 """What `write_shards` writes: ``pt``, a list of samples per file (any nesting of tensors,
 numbers, tuples, lists and dicts; read with ``weights_only=True``); ``npy``, one array per
@@ -53,8 +55,9 @@ def write_shards(
 ) -> Path:
     """Write `samples` (a map-style dataset or any sequence) as shard files of `shard_size`
     samples in `partitions` contiguous partitions of near-equal size, with their
-    ``index.json``, into the directory `out_dir` (replacing it in one rename: a reader sees
-    the old directory or the complete new one). Returns `out_dir`.
+    ``index.json``, into the directory `out_dir` (replacing it, if it holds earlier shard
+    files, in one rename: a reader sees the old directory or the complete new one). Returns
+    `out_dir`.
 
     `format` is one of `FORMATS`. `partitions` is fixed here: train on a multiple or a
     divisor of it data-parallel ranks (typically it is the number of machines).
@@ -69,6 +72,11 @@ def write_shards(
             f"{total} samples cannot fill {partitions} partitions; use between 1 and {total}."
         )
     out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir / INDEX).is_file() and any(out_dir.iterdir()):
+        raise ConfigError(
+            f"{out_dir} holds files other than shard files, and writing shards replaces the "
+            "whole directory; choose a new or empty directory."
+        )
     shards = []
     with atomic_directory(out_dir) as tmp:
         size, rest = divmod(total, partitions)
@@ -130,6 +138,7 @@ class ShardFiles(Dataset):
         self.partitions: int = index["partitions"]
         self.names: list[str] = [shard["name"] for shard in index["shards"]]
         self.counts: list[int] = [shard["samples"] for shard in index["shards"]]
+        self.file_bytes: list[int | None] = [shard["bytes"] for shard in index["shards"]]
         self.starts: list[int] = [0]
         for count in self.counts:
             self.starts.append(self.starts[-1] + count)
@@ -163,6 +172,26 @@ class ShardFiles(Dataset):
         state["_open"] = collections.OrderedDict()
         return state
 
+    def check_files(self, partition: int) -> None:
+        """A ConfigError naming the first shard file of `partition` that is missing or whose
+        size is not the one the index records."""
+        for k in self.of_partition[partition]:
+            self._check_file(k)
+
+    def _check_file(self, k: int) -> None:
+        """`check_files` for shard `k`."""
+        file, index = self.directory / self.names[k], self.directory / INDEX
+        if not file.is_file():
+            raise ConfigError(
+                f"The shard file {file} listed in {index} is missing; restore it, or {REWRITE}."
+            )
+        size = file.stat().st_size
+        if self.file_bytes[k] is not None and size != self.file_bytes[k]:
+            raise ConfigError(
+                f"The shard file {file} has {size} bytes but {index} records {self.file_bytes[k]}: "
+                f"the index does not match the files; restore the file, or {REWRITE}."
+            )
+
     def partition_size(self, partition: int) -> int:
         """The samples of `partition`."""
         return sum(self.counts[k] for k in self.of_partition[partition])
@@ -195,19 +224,20 @@ class ShardFiles(Dataset):
             self._open.move_to_end(k)
             return self._open[k]
         path = self.directory / self.names[k]
+        self._check_file(k)
         self.opened[self.names[k]] += 1
         try:
             samples = self.decode(path)
         except Exception as e:  # noqa: BLE001 - any reader's failure means a damaged file
             raise ConfigError(
                 f"The shard file {path} cannot be read ({type(e).__name__}); it is "
-                "damaged: restore it, or write the shards again."
+                f"damaged: restore it, or {REWRITE}."
             ) from e
         if len(samples) != self.counts[k]:
             raise ConfigError(
                 f"The shard file {path} holds {len(samples)} samples but "
                 f"{self.directory / INDEX} lists {self.counts[k]}: the index does not match "
-                "the files; write the shards again (or correct the index)."
+                f"the files; {REWRITE} (or correct the index)."
             )
         self._open[k] = samples
         while len(self._open) > self.keep_open:
@@ -250,6 +280,8 @@ class ShardShare(StreamShare):
         """(partition, first, end) of each run of this rank's share, within the partition's
         part of a global batch."""
         files.keep_open = files.shuffle_block * len(self.pieces)
+        for p, _, _ in self.pieces:
+            files.check_files(p)
         sizes = [files.partition_size(p) for p in range(parts)]
         self.steps = min(sizes) // self.part
         if self.steps == 0:
@@ -352,39 +384,39 @@ def _check_partitions(files: ShardFiles, global_batch: int, dp_size: int) -> Non
 
 
 def _read_index(directory: Path) -> dict[str, Any]:
-    """The checked ``index.json`` of `directory`: a ConfigError naming the file and the fix
-    if it is missing, malformed, or does not match the shard files."""
+    """The checked ``index.json`` of `directory`, its numbers as ints: a ConfigError naming
+    the file and the fix if it is missing or malformed. The shard files are checked where
+    they are read: on a machine that holds only its own partitions' files, the others are
+    absent."""
     path = directory / INDEX
-    rewrite = "write the shards again (dtrain.write_shards or `dtrain data write`)"
     try:
         index = json.loads(path.read_text())
-        shards = index["shards"]
-        parts = int(index["partitions"])
-        index["format"] = str(index["format"])
-        partition_of = [int(shard["partition"]) for shard in shards]
-        if any(int(shard["samples"]) < 1 for shard in shards):
+        index = {
+            "format": str(index["format"]),
+            "partitions": int(index["partitions"]),
+            "shards": [
+                {
+                    "name": str(shard["name"]),
+                    "samples": int(shard["samples"]),
+                    "partition": int(shard["partition"]),
+                    "bytes": None if shard.get("bytes") is None else int(shard["bytes"]),
+                }
+                for shard in index["shards"]
+            ],
+        }
+        if any(shard["samples"] < 1 for shard in index["shards"]):
             raise ValueError("a shard lists fewer than 1 sample")
     except FileNotFoundError:
-        raise ConfigError(f"{directory} has no {INDEX}; {rewrite}.") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path} is not a readable shard index ({e}); {rewrite}.") from e
+        raise ConfigError(f"{directory} has no {INDEX}; {REWRITE}.") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path} is not a readable shard index ({e!r}); {REWRITE}.") from e
+    partition_of = [shard["partition"] for shard in index["shards"]]
+    parts = index["partitions"]
     if partition_of != sorted(partition_of) or sorted(set(partition_of)) != list(range(parts)):
         raise ConfigError(
             f"{path} must list the shards of partition 0, then 1, ... up to {parts - 1}, each "
-            f"with at least one shard; {rewrite}."
+            f"with at least one shard; {REWRITE}."
         )
-    for shard in shards:
-        file = directory / shard["name"]
-        if not file.is_file():
-            raise ConfigError(
-                f"The shard file {file} listed in {path} is missing; restore it, or {rewrite}."
-            )
-        recorded = shard.get("bytes")
-        if recorded is not None and file.stat().st_size != recorded:
-            raise ConfigError(
-                f"The shard file {file} has {file.stat().st_size} bytes but {path} records "
-                f"{recorded}: the index does not match the files; restore the file, or {rewrite}."
-            )
     return index
 
 
