@@ -51,7 +51,7 @@ def cli_without_torch(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess
 @pytest.mark.parametrize(
     ("argv", "shown"),
     [
-        (["--help"], "{run,demo,bench,plan,ckpt}"),
+        (["--help"], "{run,demo,bench,plan,ckpt,data}"),
         (["--version"], "dtrain 0.1.0"),
         (["run", "--help"], "--seed SEED"),
         (["demo", "--help"], "--model-size {tiny,small,medium,100m}"),

@@ -27,6 +27,7 @@ from dtrain.errors import (
 if TYPE_CHECKING:
     from dtrain.engine import Engine
     from dtrain.launch.notebook import launch
+    from dtrain.shard_files import ShardFiles, write_shards
     from dtrain.start import init
     from dtrain.strategies import available as available_strategies
 
@@ -34,9 +35,11 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": ("dtrain.engine", "Engine"),
+    "ShardFiles": ("dtrain.shard_files", "ShardFiles"),
     "available_strategies": ("dtrain.strategies", "available"),
     "init": ("dtrain.start", "init"),
     "launch": ("dtrain.launch.notebook", "launch"),
+    "write_shards": ("dtrain.shard_files", "write_shards"),
 }
 """The public names that import torch, loaded on first use: `dtrain --help` and the
 command line's errors import this package and must answer without torch."""
@@ -72,7 +75,9 @@ __all__ = [
     "LaunchError",
     "NonFiniteLossError",
     "SetupError",
+    "ShardFiles",
     "available_strategies",
     "init",
     "launch",
+    "write_shards",
 ]

@@ -1,4 +1,4 @@
-"""The `dtrain` command: run, demo, bench, plan, ckpt.
+"""The `dtrain` command: run, demo, bench, plan, ckpt, data.
 
 Parsing, `--help` and every flag or Config error need no torch: this module imports only
 light modules at the top, and the launcher, the demo's checks and the checkpoint tools
@@ -164,7 +164,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("src", type=Path, help="A checkpoint directory or a plain file.")
     convert.add_argument("dst", type=Path, help="The checkpoint directory or file to write.")
+    _add_data_parser(sub)
     return parser
+
+
+def _add_data_parser(sub: argparse._SubParsersAction) -> None:
+    """`dtrain data write`: a bundled data set as shard files (see dtrain.shard_files)."""
+    data = sub.add_parser("data", help="Prepare data: write shard files.")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    write = data_sub.add_parser(
+        "write",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="Write a bundled data set's training split as shard files in partitions.",
+        description="Write the training split of --dataset into --out as shard files of "
+        "--shard-size samples in --partitions contiguous partitions, with their index.json "
+        "(replacing --out in one rename). Train from them with "
+        "engine.dataloader(dtrain.ShardFiles(DIR), ...) or `dtrain demo --data DIR`, on a "
+        "multiple or a divisor of --partitions data-parallel workers; with one partition "
+        "per machine, each machine reads only its own partition's files.",
+    )
+    write.add_argument(
+        "--dataset",
+        choices=("digits", "text"),
+        required=True,
+        help="The bundled data set (digits images, or byte-level text windows).",
+    )
+    write.add_argument("--out", type=Path, required=True, help="The directory to write.")
+    write.add_argument("--shard-size", type=int, default=256, help="Samples per shard file.")
+    write.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="Partitions (typically the number of machines that will train).",
+    )
+    write.add_argument(
+        "--format",
+        choices=("pt", "npz"),
+        default="pt",
+        help="pt: torch.save'd lists of samples; npz: numpy arrays, one per field.",
+    )
 
 
 def _check_demo(config: Config, args: argparse.Namespace) -> None:
@@ -353,6 +391,8 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
     """Run the parsed command; returns the exit code."""
     if args.command == "ckpt":
         return _ckpt(args)
+    if args.command == "data":
+        return _data(args)
     if args.command == "plan":
         from dtrain.plan.command import main as plan_main
 
@@ -396,6 +436,19 @@ def _bench(config: Config, argv: list[str]) -> int:
     from dtrain.launch.runner import Target, launch
 
     launch(config, Target("module", COMM_MODULE, tuple(argv[2:])))
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from dtrain.datasets import load_digits, load_text
+    from dtrain.shard_files import write_shards
+
+    train = (load_digits if args.dataset == "digits" else load_text)()[0]
+    out = write_shards(train, args.out, args.shard_size, args.partitions, args.format)
+    print(
+        f"{out}: the {len(train)} training samples of {args.dataset} in {args.partitions} "
+        f"partition(s), shards of {args.shard_size} ({args.format})."
+    )
     return 0
 
 

@@ -11,6 +11,9 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 import dtrain
 from dtrain import checkpoint
@@ -18,6 +21,7 @@ from dtrain.batches import check_batch
 from dtrain.config_file import add_config_arg, parse_with_config
 from dtrain.demo_checks import complete_args
 from dtrain.demo_flags import add_training_args
+from dtrain.errors import ConfigError
 from dtrain.flags import add_topology_args
 from dtrain.lr import LRSchedule, scale_lr
 from dtrain.models import build
@@ -25,6 +29,7 @@ from dtrain.models.gpt import GPT
 from dtrain.observe.flops import gpt_throughput
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.metrics import format_table
+from dtrain.shard_files import ShardFiles, ShardShare
 from dtrain.tasks import TASKS, make_optimizer
 
 DEFAULT_SEED = 0
@@ -68,7 +73,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     gpt = model if isinstance(model, GPT) else None
     parameters = sum(p.numel() for p in model.parameters())  # the whole model, before a split
     model, optimizer = engine.setup(model, optimizer)
-    loader = engine.dataloader(train_set, batch_size=per_worker)
+    data = train_set if args.data is None else ShardFiles(args.data)
+    loader = engine.dataloader(data, batch_size=per_worker)
+    if args.data is not None:
+        check_shards(loader.dataset, train_set, args)
     test_loader = engine.dataloader(
         test_set, batch_size=max(1, 256 // engine.dp_size), shuffle=False, drop_last=False
     )
@@ -93,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     max_steps = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     engine.print(
         f"dtrain demo: {args.model} on {task.description} "
-        f"({len(train_set)} train / {len(test_set)} test samples), "
+        f"({len(data)} train / {len(test_set)} test samples"
+        f"{'' if args.data is None else f' from {args.data}'}), "
         f"strategy {engine.strategy.name}, {engine.world_size} process(es), "
         f"global batch {args.global_batch_size} ({per_worker} per worker), "
         f"lr {lr:g}"
@@ -167,6 +176,23 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     LOGGER.info("metrics %s", metrics)
     engine.close()
     return metrics
+
+
+def check_shards(share: ShardShare, bundled: Any, args: argparse.Namespace) -> None:
+    """A ConfigError if the samples of the shard files in --data are not shaped as those of
+    the model's bundled training set (they hold another data set)."""
+    got, wanted = _shapes(share.example()), _shapes(bundled[0])
+    if got != wanted:
+        dataset = "text" if args.model == "gpt" else "digits"
+        raise ConfigError(
+            f"--data {args.data} holds samples of shapes {got}, but --model {args.model} "
+            f"trains on samples of shapes {wanted}; write its data set there with `dtrain "
+            f"data write --dataset {dataset} --out DIR`."
+        )
+
+
+def _shapes(sample: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    return [tuple(torch.as_tensor(value).shape) for value in sample]
 
 
 def save(engine: dtrain.Engine, root: Path, keep: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from dtrain.errors import ConfigError
 from dtrain.names import GPT_SIZES, LR_RULES, MODELS, OPTIMIZERS
@@ -64,6 +65,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "linear scaling, else 0).",
     )
     g.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="Train from the shard files in DIR (`dtrain data write --dataset digits`, or "
+        "text for --model gpt) instead of the bundled training set in memory; the test set "
+        "stays the bundled one.",
+    )
+    g.add_argument(
         "--checkpoint-every",
         type=int,
         default=None,
@@ -114,6 +124,11 @@ def check_training_args(args: argparse.Namespace) -> None:
                 f"{flag} must be at least 1, got {value}; give {meaning}, or drop {flag} for "
                 "its default."
             )
+    if args.data is not None and not (Path(args.data) / "index.json").is_file():
+        raise ConfigError(
+            f"--data {args.data} holds no index.json; write shard files there with `dtrain "
+            f"data write --dataset digits --out {args.data}` (text for --model gpt)."
+        )
     for name, example in AMOUNTS:
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value >= 0):

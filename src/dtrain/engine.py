@@ -281,7 +281,10 @@ class Engine:
                 and to worker (i % B) // b (b = B / dp_size); each worker, and each of its
                 DataLoader workers, reads the whole stream and keeps its own batches, so
                 every sample is trained once, whatever the number of workers (see
-                `dtrain.streams`). After `load`, `progress` skips the trained samples.
+                `dtrain.streams`). Or a `dtrain.ShardFiles`: shard files in P partitions,
+                global batch t taking B/P samples of each partition's seeded order, so that
+                a worker opens only the files of its own partitions (see
+                `dtrain.shard_files`). After `load`, `progress` skips the trained samples.
             batch_size: samples per worker per step; the global batch is this times
                 `engine.dp_size`.
             global_batch_size: instead of `batch_size`, the samples of one step over all

@@ -1,6 +1,7 @@
 """The Engine's data side: loaders that give each data-parallel worker its share of every
-global batch (of a map-style dataset here, of a stream in `dtrain.streams`), and the epochs
-it iterates with a progress bar, resuming mid-epoch."""
+global batch (of a map-style dataset here, of a stream in `dtrain.streams`, of shard files
+in `dtrain.shard_files`), and the epochs it iterates with a progress bar, resuming
+mid-epoch."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.progress import Throughput, track
 from dtrain.position import Position
+from dtrain.shard_files import ShardFiles, shard_share
 from dtrain.streams import StreamShare, as_is, is_stream, stream_share
 
 
@@ -65,7 +67,14 @@ class Feeder:
         over the data-parallel workers."""
         batch_size = per_worker_batch(batch_size, global_batch_size, self.dp_size)
         share: ShardedBatchSampler | StreamShare
-        if is_stream(dataset):
+        if isinstance(dataset, ShardFiles) and drop_last:
+            # Evaluation (no drop_last) reads them as the map-style dataset they also are.
+            share = shard_share(
+                dataset, batch_size, self.dp_size, self.dp_rank, shuffle, seed, loader_kwargs
+            )
+            if (note := share.note()) is not None:
+                self.say(note)
+        elif is_stream(dataset):
             share = stream_share(
                 dataset,
                 batch_size,
