@@ -1,0 +1,235 @@
+"""docs/architecture.md names every module, and dtrain's imports run down its layers.
+
+The import graph is read from the source with `ast` (imports at module level and inside
+functions; those under ``if TYPE_CHECKING:`` are left out, as they never run). A unit is
+a package (``parallel/``) or a top-level module (``engine.py``); the layers and rules
+below are the "Layers" section of docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.quick
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "src" / "dtrain"
+DOC = ROOT / "docs" / "architecture.md"
+
+# The package itself (`import dtrain`, `from dtrain import __version__`).
+PACKAGE = "__init__.py"
+
+# Bottom to top: a unit may import units of its own layer or of the layers below.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("leaves", {"errors.py", "advice.py", "names.py", "requirements.py"}),
+    (
+        "foundations",
+        {
+            "config.py", "config_file.py", "collectives.py", "batches.py", "position.py",
+            "optimizers.py", "precision.py", "lr.py", "data.py", "streams.py", "teardown.py",
+            "topology.py", "models/", "datasets/", "tasks.py",
+        },
+    ),
+    ("measurement and files", {"observe/", "checkpoint/", "rng.py"}),
+    ("parallel core", {"parallel/"}),
+    ("strategies", {"strategies/"}),
+    (
+        "loop and launcher",
+        {"evaluation.py", "feeding.py", "checkpointing.py", "engine.py", "start.py", "launch/"},
+    ),
+    (
+        "commands and products",
+        {
+            PACKAGE, "flags.py", "demo_flags.py", "demo_checks.py", "demo.py", "cli.py",
+            "bench/", "plan/", "horovod/", "keras/",
+        },
+    ),
+]  # fmt: skip
+
+PRODUCTS = {"horovod/", "plan/", "keras/", "bench/"}
+LEAVES = LAYERS[0][1]
+LOOP = {"evaluation.py", "feeding.py", "checkpointing.py", "engine.py", "start.py"}
+
+# Rules stricter than the layers: (importers, units they may not import, why).
+RULES: list[tuple[set[str], set[str], str]] = [
+    (
+        {"observe/"},
+        {"strategies/", "models/", "parallel/", "launch/"},
+        "measurement sees tensors and timings, never how they were produced",
+    ),
+    (
+        {"parallel/"},
+        {"strategies/", "launch/", "engine.py"},
+        "the parallel core knows no strategy, launcher or Engine",
+    ),
+    (
+        {"checkpoint/"},
+        {"strategies/", "launch/", "engine.py"},
+        "the formats know no strategy, launcher or Engine",
+    ),
+    ({"launch/"}, LOOP | {"parallel/", "models/"}, "the launcher never runs the loop"),
+    (LOOP, {"launch/"}, "the loop runs the same with or without the launcher"),
+]
+
+
+def units() -> dict[str, str]:
+    """Every source file (relative to src/dtrain) and the unit it belongs to."""
+    packages = {p.name for p in SOURCE.iterdir() if (p / "__init__.py").exists()}
+    found = {}
+    for path in SOURCE.rglob("*.py"):
+        rel = path.relative_to(SOURCE).as_posix()
+        top = rel.split("/")[0]
+        found[rel] = f"{top}/" if top in packages else rel
+    return found
+
+
+def unit_of(module: str) -> str:
+    """The unit of a dotted module name under dtrain (``dtrain`` itself is PACKAGE)."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return PACKAGE
+    if (SOURCE / parts[0]).is_dir():
+        return f"{parts[0]}/"
+    return f"{parts[0]}.py" if (SOURCE / f"{parts[0]}.py").exists() else PACKAGE
+
+
+def _type_checking(node: ast.If) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
+    name = getattr(node.test, "id", None) or getattr(node.test, "attr", None)
+    return name == "TYPE_CHECKING"
+
+
+def imported(node: ast.AST, package: str) -> Iterator[tuple[int, str]]:
+    """(line, dotted module) of every dtrain import under `node`, outside TYPE_CHECKING;
+    `package` (dotted) resolves relative imports."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _type_checking(child):
+            yield from imported(ast.Module(body=child.orelse, type_ignores=[]), package)
+            continue
+        if isinstance(child, ast.Import):
+            names = [alias.name for alias in child.names]
+        elif isinstance(child, ast.ImportFrom):
+            base = package.rsplit(".", child.level - 1)[0] if child.level else ""
+            module = ".".join(part for part in (base, child.module) if part)
+            # `from dtrain import advice` imports the module dtrain.advice.
+            names = [f"{module}.{alias.name}" for alias in child.names]
+        else:
+            names = []
+        for name in names:
+            if name == "dtrain" or name.startswith("dtrain."):
+                yield child.lineno, name
+        yield from imported(child, package)
+
+
+@functools.cache
+def arrows() -> tuple[tuple[str, str, str], ...]:
+    """(importing unit, imported unit, "file:line imports module") across units."""
+    found = []
+    for rel, source in sorted(units().items()):
+        tree = ast.parse((SOURCE / rel).read_text(), filename=rel)
+        package = ".".join(["dtrain", *rel.split("/")[:-1]])
+        for line, module in imported(tree, package):
+            target = unit_of(module)
+            if target != source:
+                found.append((source, target, f"{rel}:{line} imports {module}"))
+    return tuple(found)
+
+
+def layer_of() -> dict[str, int]:
+    return {unit: index for index, (_, members) in enumerate(LAYERS) for unit in members}
+
+
+def test_every_module_is_named_in_the_architecture_doc():
+    text = DOC.read_text()
+    # A whole path, so that `checkpoint/names.py` does not stand for `names.py`.
+    missing = [
+        rel
+        for rel in sorted(units())
+        if not rel.endswith("__init__.py")
+        and not re.search(rf"(?<![\w/.]){re.escape(rel)}(?![\w/])", text)
+    ]
+    assert not missing, (
+        "docs/architecture.md does not name these modules: "
+        + ", ".join(missing)
+        + ". Add a line for each, by its path relative to src/dtrain (e.g. "
+        "`strategies/ps/client.py`), to the block of its package in the 'Modules' section "
+        "(top-level modules go in the first block), saying what it holds."
+    )
+
+
+def test_every_unit_has_a_layer():
+    layers = layer_of()
+    unplaced = sorted(set(units().values()) - set(layers))
+    assert not unplaced, (
+        f"{', '.join(unplaced)} belongs to no layer: add it to LAYERS in "
+        "tests/test_architecture.py and to the 'Layers' table of docs/architecture.md."
+    )
+    stale = sorted(set(layers) - set(units().values()))
+    assert not stale, f"LAYERS names units that no longer exist: {', '.join(stale)}."
+
+
+def test_imports_run_down_the_layers():
+    layers = layer_of()
+    upward = [
+        f"{where} ({source}: {LAYERS[layers[source]][0]} -> {target}: "
+        f"{LAYERS[layers[target]][0]})"
+        for source, target, where in arrows()
+        if source in layers and target in layers and layers[target] > layers[source]
+    ]
+    assert not upward, "Imports that go up a layer (move the code down instead):\n" + "\n".join(
+        upward
+    )
+
+
+def test_imports_keep_the_rules():
+    broken = [
+        f"{where}: {source} may not import {target} ({why})"
+        for importers, banned, why in RULES
+        for source, target, where in arrows()
+        if source in importers and target in banned
+    ]
+    broken += [
+        f"{where}: {source} may import only the leaves ({', '.join(sorted(LEAVES))})"
+        for source, target, where in arrows()
+        if source in {"models/", "datasets/"} and target not in LEAVES
+    ]
+    core = set(units().values()) - PRODUCTS - {"cli.py"}
+    broken += [
+        f"{where}: the core does not depend on the products (horovod/, plan/, keras/, bench/)"
+        for source, target, where in arrows()
+        if source in core and target in PRODUCTS
+    ]
+    assert not broken, "Imports that break the layering rules:\n" + "\n".join(broken)
+
+
+def test_units_import_each_other_in_one_direction_only():
+    graph: dict[str, set[str]] = {}
+    for source, target, _ in arrows():
+        graph.setdefault(source, set()).add(target)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            unit = todo.pop()
+            if unit == goal:
+                return True
+            if unit not in seen:
+                seen.add(unit)
+                todo.extend(graph.get(unit, ()))
+        return False
+
+    cycles = sorted(
+        f"{source} <-> {target}"
+        for source, targets in graph.items()
+        for target in targets
+        if source < target and reaches(target, source)
+    )
+    assert not cycles, "Units that import each other (directly or through others): " + ", ".join(
+        cycles
+    )
