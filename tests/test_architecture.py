@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "topology.py", "models/", "datasets/", "tasks.py",
         },
     ),
-    ("measurement and files", {"observe/", "checkpoint/", "rng.py"}),
+    ("measurement and files", {"observe/", "checkpoint/", "rng.py", "shard_files.py"}),
     ("parallel core", {"parallel/"}),
     ("strategies", {"strategies/"}),
     (
