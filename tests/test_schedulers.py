@@ -50,13 +50,14 @@ def config_of(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], *flags: str)
         ("a[1-2],b3", ["a1", "a2", "b3"]),
         ("gpu[9-11]-ib,login", ["gpu9-ib", "gpu10-ib", "gpu11-ib", "login"]),
         ("solo", ["solo"]),
+        ("x[1-2]y[7]", ["x1y7", "x2y7"]),
     ],
 )
 def test_slurm_node_lists_expand(text: str, names: list[str]) -> None:
     assert expand_nodelist(text) == names
 
 
-@pytest.mark.parametrize("text", ["node[a-b]", "node[1-2", "x[1]y[2]"])
+@pytest.mark.parametrize("text", ["node[a-b]", "node[1-2", "node[3-1]"])
 def test_a_node_list_dtrain_cannot_read_is_refused(text: str) -> None:
     with pytest.raises(ConfigError, match="not in a form dtrain reads"):
         expand_nodelist(text)

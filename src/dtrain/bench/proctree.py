@@ -1,62 +1,44 @@
-"""A trial's process tree, seen from outside through Linux's /proc: every rank's peak
-resident memory, and the processes to stop when a trial runs out of time.
+"""A trial's process tree, seen from outside: every rank's peak resident memory, and the
+processes to stop when a trial runs out of time.
 
 The launcher starts its workers in sessions of their own (the elastic agent does), so a
 trial cannot be stopped by signalling one process group; and the metrics JSON carries no
-per-rank peak memory. Both are found by walking the tree below the trial's process.
+per-rank peak memory. Both are found by walking the tree below the trial's process with
+psutil; the peak itself (VmHWM) only Linux's /proc keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import threading
-from collections import defaultdict
 from pathlib import Path
+
+import psutil
 
 PROC = Path("/proc")
 
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
+
 
 def available() -> bool:
-    """True where /proc describes processes (Linux); elsewhere nothing here measures."""
+    """True where /proc keeps each process's peak memory (Linux); elsewhere nothing here
+    measures."""
     return (PROC / "self" / "status").is_file()
 
 
-def descendants(root: int) -> dict[int, int]:
+def descendants(root: int) -> dict[int, float]:
     """`root` and every process below it, parents before their children, each with its
-    start time (clock ticks since boot), which tells it from a later process given the
-    same id."""
-    children: dict[int, list[int]] = defaultdict(list)
-    started: dict[int, int] = {}
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        fields = _stat(pid)
-        if fields is None:
-            continue  # it ended while we looked
-        children[int(fields[1])].append(pid)
-        started[pid] = int(fields[19])
-    order: dict[int, int] = {}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in started:
-            order[pid] = started[pid]
-            todo.extend(children.get(pid, ()))
-    return order
-
-
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat from the third (state) on: ppid is [1], the start time
-    [19]; None once the process has ended."""
+    creation time, which tells it from a later process given the same id."""
     try:
-        stat = (PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    return stat.rsplit(")", 1)[1].split()
+        top = psutil.Process(root)
+        tree = [top, *top.children(recursive=True)]
+    except _GONE:
+        return {}
+    found: dict[int, float] = {}
+    for process in tree:
+        with contextlib.suppress(*_GONE):  # it ended while we looked
+            found[process.pid] = process.create_time()
+    return found
 
 
 def _peak_rss_bytes(pid: int) -> int | None:
@@ -73,14 +55,10 @@ def _peak_rss_bytes(pid: int) -> int | None:
 def _rank_of(pid: int) -> int | None:
     """The RANK in the environment the process started with (launched workers have it)."""
     try:
-        environ = (PROC / str(pid) / "environ").read_bytes()
-    except OSError:
+        value = psutil.Process(pid).environ().get("RANK", "")
+    except _GONE:
         return None
-    for item in environ.split(b"\0"):
-        if item.startswith(b"RANK="):
-            value = item[5:].decode(errors="replace")
-            return int(value) if value.isdigit() else None
-    return None
+    return int(value) if value.isdigit() else None
 
 
 class PeakMemory:
@@ -96,7 +74,7 @@ class PeakMemory:
         self.interval = interval
         self.peaks: dict[int, int] = {}
         self.ranks: dict[int, int | None] = {}
-        self.seen: dict[int, int] = {}
+        self.seen: dict[int, float] = {}
         """Every process of the tree seen so far, with its start time."""
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -142,12 +120,12 @@ class PeakMemory:
         return [by_rank.get(rank) for rank in range(max(by_rank) + 1)]
 
 
-def kill_tree(tree: dict[int, int]) -> None:
-    """SIGKILL each process of `tree` (pid -> start time, from `descendants`) still alive;
-    a process that now holds one of the ids but started at another time is left alone."""
-    for pid, started in tree.items():
-        fields = _stat(pid)
-        if fields is None or int(fields[19]) != started:
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+def kill_tree(tree: dict[int, float]) -> None:
+    """SIGKILL each process of `tree` (pid -> creation time, from `descendants`) still
+    alive; a process that now holds one of the ids but was created at another time is left
+    alone."""
+    for pid, created in tree.items():
+        with contextlib.suppress(*_GONE):
+            process = psutil.Process(pid)
+            if process.create_time() == created:
+                process.kill()

@@ -19,9 +19,10 @@ the launcher, not from a PyTorchJob.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import hostlist
 
 from dtrain.errors import ConfigError
 
@@ -120,42 +121,14 @@ def slurm_port(job_id: int) -> int:
     return SLURM_BASE_PORT + job_id % SLURM_PORT_SPAN
 
 
-_GROUP = re.compile(r"([^,\[]*)(?:\[([^\]]*)\])?([^,\[]*)")
-
-
 def expand_nodelist(text: str) -> list[str]:
     """Slurm's compact host list as names: ``node[01-03,07],gpu5`` gives node01, node02,
-    node03, node07, gpu5 (zero padding kept; one bracket group per name)."""
-    names: list[str] = []
-    position = 0
-    text = text.strip()
-    while position < len(text):
-        match = _GROUP.match(text, position)
-        if match is None or match.end() == position:
-            raise _bad_nodelist(text)
-        prefix, ranges, suffix = match.groups()
-        if ranges is None:
-            names.append(prefix + suffix)
-        else:
-            names.extend(prefix + index + suffix for index in _indices(ranges, text))
-        position = match.end()
-        if position < len(text):
-            if text[position] != ",":
-                raise _bad_nodelist(text)
-            position += 1
+    node03, node07, gpu5 (zero padding kept), read by python-hostlist as Slurm writes it."""
+    try:
+        names = hostlist.expand_hostlist(text.strip())
+    except hostlist.BadHostlist:
+        raise _bad_nodelist(text) from None
     return [name for name in names if name]
-
-
-def _indices(ranges: str, text: str) -> list[str]:
-    found = []
-    for part in ranges.split(","):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise _bad_nodelist(text)
-        width = len(low)
-        for index in range(int(low), int(high or low) + 1):
-            found.append(str(index).zfill(width))
-    return found
 
 
 def _bad_nodelist(text: str) -> ConfigError:
