@@ -100,13 +100,34 @@ def _variants(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {name: _run(**kw, close=name == last) for name, kw in variants.items()}
 
 
+def _without_optimizer() -> str:
+    """The error of a step of a loop by hand whose optimizer `engine.setup` never saw."""
+    engine = dtrain.init(seed=0, strategy="local-sgd", sync_every=2)
+    model, _ = engine.setup(_model())
+    optimizer = _optimizer(model)
+    x, y = _batch(0, engine.rank, engine.world_size)
+    try:
+        engine.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+    except ConfigError as e:
+        return str(e)
+    finally:
+        engine.strategy.close()
+    return "trained"
+
+
 def _job(root: str) -> dict[str, dict[str, Any]]:
     local = {"strategy": "local-sgd"}
     diloco = {**local, "sync_every": 3, "outer_optimizer": "nesterov"}
-    a, b, c = f"{root}/a", f"{root}/b", f"{root}/c"
+    a, b, c, d, e = (f"{root}/{name}" for name in "abcde")
     sharded = {**diloco, "checkpoint_format": "sharded"}
-    return _variants(
+    refused = _without_optimizer()
+    return {"no_optimizer": {"error": refused}} | _variants(
         {
+            "plain_whole": {"steps": 7, "options": {**local, "sync_every": 3}, "save_at": {4: d}},
+            "plain_from_4": {"steps": 7, "options": {**local, "sync_every": 3}, "load": d},
+            "h8_to_5": {"steps": 5, "options": {**local, "sync_every": 8}, "save_at": {5: e}},
+            "h4_from_5": {"steps": 7, "options": {**local, "sync_every": 4}, "load": e},
             "ddp_momentum": {"steps": 5, "options": {"strategy": "ddp"}},
             "h1_momentum": {"steps": 5, "options": {**local, "sync_every": 1}},
             "h4_at3": {"steps": 3, "options": {**local, "sync_every": 4}},
@@ -231,6 +252,23 @@ def test_diloco_resume_between_and_at_syncs_equals_uninterrupted(runs: dict) -> 
         runs["two"][0]["whole"]["replica"]["0.weight"],
         runs["two"][1]["whole"]["replica"]["0.weight"],
     )
+
+
+@pytest.mark.timeout(300)
+def test_plain_averaging_resumes_exactly_and_a_smaller_h_syncs_at_once(runs: dict) -> None:
+    for rank in runs["two"]:
+        resumed, whole = rank["plain_from_4"]["replica"], rank["plain_whole"]["replica"]
+        assert_close(resumed, whole, rtol=0, atol=0)
+        # saved 5 steps after a sync under H = 8, resumed under H = 4: it syncs at step 6
+        # (not never, as an equality test of the step count would) and not again by step 7
+        assert rank["h4_from_5"]["report"]["syncs"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_training_without_the_optimizer_given_to_setup_is_refused(runs: dict) -> None:
+    for rank in runs["two"]:
+        error = rank["no_optimizer"]["error"]
+        assert "pass the optimizer to engine.setup(model, optimizer)" in error
 
 
 @pytest.mark.timeout(300)

@@ -309,8 +309,15 @@ class Checkpoints:
             # Same number of processes: every rank continues its own streams; else rank 0's.
             rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
         replicas = trainer.get("replica_states") or []
-        if len(replicas) == ranks and not skipped:  # else all go on from the saved model
-            self.strategy.load_replica_state(replicas[me], replicas[0], self.optimizer)
+        if replicas and not skipped:
+            # At another number of ranks every replica goes on from the saved model.
+            mine = replicas[me] if len(replicas) == ranks else None
+            self.strategy.load_replica_state(mine, replicas[0], self.optimizer)
+            if mine is None and replicas[0].get("since_sync"):
+                self.print(
+                    f"dtrain: note: {path} was saved by {len(replicas)} replicas between two "
+                    f"syncs; the {ranks} replicas now start from their mean, as after a sync."
+                )
         self._load_powersgd(path, trainer)
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
         return manifest

@@ -320,11 +320,11 @@ class Strategy:
         return None
 
     def load_replica_state(
-        self, mine: dict[str, Any], first: dict[str, Any], optimizer: Optimizer | None
+        self, mine: dict[str, Any] | None, first: dict[str, Any], optimizer: Optimizer | None
     ) -> None:
         """After a checkpoint's model and optimizer state are loaded, restore this rank's
-        `replica_state` (`mine`) as saved by a job of as many ranks; `first` is the first
-        rank's."""
+        `replica_state` (`mine`; None when the job that saved it had another number of
+        ranks); `first` is the first rank's."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.optim import Optimizer
 
+from dtrain.batches import LossFn
 from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.names import canonical_state_dict
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
@@ -81,6 +82,8 @@ class LocalSGD(Strategy):
         self._synced: list[nn.Parameter] = []
         """DiLoCo: the model of the last sync, which the outer optimizer steps."""
         self._outer: torch.optim.SGD | None = None
+        self._counts_steps = False
+        """True once `setup` hooked the optimizer's steps (the syncs follow them)."""
 
     @classmethod
     def check_options(cls, config: Config) -> None:
@@ -124,11 +127,31 @@ class LocalSGD(Strategy):
             )
         if optimizer is not None:
             optimizer.register_step_post_hook(self._stepped)
+        self._counts_steps = optimizer is not None
         return wrapped, optimizer
+
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
+        self._require_optimizer()
+        return super().forward_backward(batch, loss_fn, scale)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._require_optimizer()
+        super().backward(loss)
+
+    def _require_optimizer(self) -> None:
+        # Without the optimizer the replicas would never sync, and train apart all run.
+        if not self._counts_steps:
+            raise ConfigError(
+                "--strategy local-sgd syncs the replicas after every --sync-every steps of "
+                "the optimizer it was given, and engine.setup got none; pass the optimizer "
+                "to engine.setup(model, optimizer) before training."
+            )
 
     def _stepped(self, *_: Any) -> None:
         self.since_sync += 1
-        if self.since_sync == self.sync_every:
+        # >=: a run resumed with a smaller --sync-every than the one that saved it syncs at
+        # its next step.
+        if self.since_sync >= self.sync_every:
             self.sync()
 
     # -- the sync -------------------------------------------------------------------------
@@ -200,9 +223,10 @@ class LocalSGD(Strategy):
     ) -> list[str]:
         """Every replica loads the model: a sync point (DiLoCo's synced model is it)."""
         skipped = super().load_full_state(tensors, optimizer, optimizer_state, strict)
-        with torch.no_grad():
-            for g, p in zip(self._synced, self._params, strict=True):
-                g.copy_(p)
+        if self._outer is not None:
+            with torch.no_grad():
+                for g, p in zip(self._synced, self._params, strict=True):
+                    g.copy_(p)
         self.since_sync = 0
         return skipped
 
@@ -230,15 +254,20 @@ class LocalSGD(Strategy):
 
     @torch.no_grad()
     def load_replica_state(
-        self, mine: dict[str, Any], first: dict[str, Any], optimizer: Optimizer | None
+        self, mine: dict[str, Any] | None, first: dict[str, Any], optimizer: Optimizer | None
     ) -> None:
         module = self.unwrap()
-        if "model" in mine:
-            load_model(module, mine["model"])
-        if optimizer is not None and mine["optimizer"] is not None:
-            load_by_name(optimizer, module, mine["optimizer"])
-        self.since_sync = mine["since_sync"]
-        if self._outer is not None and "outer" in first:
+        if mine is not None:
+            if "model" in mine:
+                load_model(module, mine["model"])
+            if optimizer is not None and mine["optimizer"] is not None:
+                load_by_name(optimizer, module, mine["optimizer"])
+            self.since_sync = mine["since_sync"]
+        # DiLoCo's synced model and outer momentum are every replica's: restored at any
+        # number of replicas (where the replicas restart from the saved model, the synced
+        # one is the model of the last sync, which the outer momentum belongs to).
+        at_sync = mine is not None or not first["since_sync"]
+        if self._outer is not None and "outer" in first and at_sync:
             for g, saved in zip(self._synced, first["synced"], strict=True):
                 g.copy_(saved)
             self._outer.load_state_dict(first["outer"])
