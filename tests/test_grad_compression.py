@@ -200,6 +200,10 @@ def test_grad_compression_values_parse() -> None:
             {"strategy": "ddp", "hierarchical": True, "grad_compression": "powersgd:2"},
             "cannot run with --hierarchical",
         ),
+        (
+            {"strategy": "ddp", "grad_compression": "powersgd", "precision": "fp16-mixed"},
+            "under --precision fp16-mixed a step whose gradients overflow",
+        ),
     ],
 )
 def test_strategies_it_cannot_compress_are_refused(options: dict, message: str) -> None:
@@ -253,7 +257,7 @@ def test_powersgd_state_follows_each_parameter_into_new_buckets() -> None:
     state.p_memory_dict[0] = torch.empty(16 + 16 + 4)
     powersgd._layouts[0] = tuple((name, shapes[name]) for name in before)
 
-    powersgd._file_by_parameter()
+    powersgd._file_by_parameter(keep=set())
     assert not state.error_dict and not state.q_memory_dict
     layout = tuple((name, shapes[name]) for name in after)
     powersgd._layouts[0] = layout
@@ -266,3 +270,60 @@ def test_powersgd_state_follows_each_parameter_into_new_buckets() -> None:
     saved = powersgd.state_dict()
     assert all(torch.equal(saved["errors"][name], errors[name]) for name in after)
     assert all(torch.equal(saved["q"][name], qs[name]) for name in order)
+
+
+class Bucket:
+    """What PowerSGD's `prepare` reads of a DDP bucket."""
+
+    def __init__(self, index: int, parameters: list[torch.nn.Parameter]) -> None:
+        self._index, self._parameters = index, parameters
+
+    def index(self) -> int:
+        return self._index
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._parameters
+
+    def buffer(self) -> torch.Tensor:
+        return torch.empty(sum(p.numel() for p in self._parameters))
+
+
+def test_a_bucket_already_compressed_this_step_keeps_its_new_error_at_a_rebuild() -> None:
+    """Bucket 0 keeps its layout and is compressed first (its new error is still being
+    computed when bucket 1 turns out rebuilt): only bucket 1's state is filed by parameter,
+    and bucket 0's fresh error is what its next step adds."""
+    from torch import nn
+
+    from dtrain.parallel.compression import PowerSGD
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    first, second = list(model[0].parameters()), list(model[1].parameters())
+    powersgd = PowerSGD(OneGroup(), 1, model)  # type: ignore[arg-type]
+    state = powersgd.torch_state
+    state.iter = 4
+    for index, params in enumerate((first, second)):
+        powersgd.prepare(Bucket(index, params))  # type: ignore[arg-type]
+        state.error_dict[index] = torch.full((sum(p.numel() for p in params),), float(index))
+    state.iter = 5
+    powersgd.prepare(Bucket(0, first))  # type: ignore[arg-type]
+    powersgd.prepare(Bucket(1, second[::-1]))  # type: ignore[arg-type] - rebuilt: reordered
+    fresh = torch.full_like(state.error_dict[0], 7.0)
+    state.error_dict[0] = fresh  # bucket 0's callback ends after bucket 1's prepare
+    assert torch.equal(state.error_dict[1], torch.ones_like(state.error_dict[1]))
+    state.iter = 6
+    powersgd.prepare(Bucket(0, first))  # type: ignore[arg-type]
+    assert state.error_dict[0] is fresh
+
+
+def test_powersgd_refuses_a_0_d_parameter_by_name() -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from dtrain.parallel.compression import register_compression
+
+    model = nn.Linear(4, 2)
+    model.temperature = nn.Parameter(torch.tensor(1.0))
+    wrapped = SimpleNamespace(module=model)
+    with pytest.raises(ConfigError, match="temperature is a 0-d parameter; give each the shape"):
+        register_compression(wrapped, OneGroup(), "powersgd")  # type: ignore[arg-type]

@@ -455,6 +455,13 @@ class Config:
                 "and broadcast inside a machine in bucket order on every rank. Use "
                 "--grad-compression fp16 or bf16 with --hierarchical, or drop --hierarchical."
             )
+        if kind == "powersgd" and self.precision == "fp16-mixed":
+            raise ConfigError(
+                f"{flag} keeps each step's approximation error to add to the next step, and "
+                "under --precision fp16-mixed a step whose gradients overflow would carry its "
+                "inf into every later one (and the loss scale changes the error's units); use "
+                "--precision bf16-mixed or fp32 with PowerSGD, or --grad-compression fp16."
+            )
 
     def _validate_output_names(self) -> None:
         """An empty path would quietly fall back to the default (--out) or to the current

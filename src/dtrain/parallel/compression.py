@@ -31,7 +31,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from dtrain.checkpoint.names import canonical_name
 from dtrain.config import grad_compression
+from dtrain.errors import ConfigError
 
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """The dtype each casting --grad-compression all-reduces in."""
@@ -67,6 +69,16 @@ def register_compression(
     if kind in CAST_DTYPES:
         wrapped.register_comm_hook(Cast(group, CAST_DTYPES[kind]), cast_hook)
     elif kind == "powersgd":
+        named = wrapped.module.named_parameters()
+        scalars = [name for name, p in named if p.requires_grad and not p.dim()]
+        if scalars:
+            raise ConfigError(
+                f"--grad-compression powersgd cuts each gradient into a matrix by its first "
+                f"dimension, and {', '.join(canonical_name(n) for n in scalars)} "
+                f"{'is a 0-d parameter' if len(scalars) == 1 else 'are 0-d parameters'}; give "
+                "each the shape (1,) (e.g. nn.Parameter(torch.ones(1))), or use "
+                "--grad-compression bf16."
+            )
         state = PowerSGD(group, rank, wrapped.module)
         wrapped.register_comm_hook(state, powersgd_hook)
         setattr(wrapped, POWERSGD_ATTRIBUTE, state)
@@ -111,48 +123,59 @@ class PowerSGD:
         )
         self.rank = rank
         self.world = group.size()
-        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
         self._layouts: dict[int, tuple[tuple[str, torch.Size], ...]] = {}
         """Each bucket's parameters (name, shape), in bucket order, as torch's state has them."""
         self._errors: dict[str, torch.Tensor] = {}
         """Error feedback by parameter (flat), not yet back in a bucket."""
         self._qs: dict[str, torch.Tensor] = {}
         """Warm-start Q by compressed parameter (flat), not yet back in a bucket."""
+        self._seen: dict[int, int] = {}
+        """The step (torch's `iter`) in which each bucket's hook last ran."""
 
     # -- the hook's side --------------------------------------------------------------------
     def prepare(self, bucket: dist.GradBucket) -> None:
         """Before torch's hook compresses `bucket`: put back the state filed by parameter
         for it; where DDP rebuilt its buckets, file every bucket's state by parameter first."""
-        if self.torch_state.iter < self.torch_state.start_powerSGD_iter:
+        step = self.torch_state.iter
+        if step < self.torch_state.start_powerSGD_iter:
             return  # whole all-reduce: torch keeps no state yet
         index = bucket.index()
         layout = tuple((self._names[id(p)], p.shape) for p in bucket.parameters())
         known = self._layouts.get(index)
-        if known == layout:
-            return
-        if known is not None:
-            self._file_by_parameter()
-        self._layouts[index] = layout
-        self._restore(index, layout, bucket.buffer())
+        if known != layout:
+            if known is not None:
+                # Buckets already compressed in this step kept their layout, and their
+                # new error is still being computed: they stay as torch has them.
+                self._file_by_parameter({i for i, seen in self._seen.items() if seen == step})
+            self._layouts[index] = layout
+            self._restore(index, layout, bucket.buffer())
+        self._seen[index] = step
 
-    def _file_by_parameter(self) -> None:
-        """Move torch's per-bucket state into the per-parameter record (and out of torch's)."""
-        for name, (error, q) in self._by_parameter().items():
+    def _file_by_parameter(self, keep: set[int]) -> None:
+        """Move torch's per-bucket state of every bucket but those in `keep` into the
+        per-parameter record (and out of torch's)."""
+        moved = [index for index in self._layouts if index not in keep]
+        for name, (error, q) in self._by_parameter(moved).items():
             if error is not None:
                 self._errors[name] = error
             if q is not None:
                 self._qs[name] = q
         state = self.torch_state
-        state.error_dict.clear()
-        state.p_memory_dict.clear()
-        state.q_memory_dict.clear()
-        self._layouts.clear()
+        for index in moved:
+            for record in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+                record.pop(index, None)
+            del self._layouts[index]
 
-    def _by_parameter(self) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """(error, Q) of each parameter in torch's per-bucket state, as flat views."""
+    def _by_parameter(
+        self, indices: list[int] | None = None
+    ) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """(error, Q) of each parameter in torch's per-bucket state (of the buckets
+        `indices`, default all), as flat views."""
         state = self.torch_state
         out: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        for index, layout in self._layouts.items():
+        for index in self._layouts if indices is None else indices:
+            layout = self._layouts[index]
             errors = state.error_dict.get(index)
             qs = state.q_memory_dict.get(index)
             pieces = _split(errors, [shape.numel() for _, shape in layout])
@@ -241,6 +264,7 @@ class PowerSGD:
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()
         self._layouts.clear()
+        self._seen.clear()
         self._errors = dict(saved["errors"])
         self._qs = dict(saved["q"])
 
