@@ -256,6 +256,26 @@ def at_two_ranks(directory: str, path: str) -> tuple[Any, Any]:
     return train("ddp", directory, close=False), train("ddp", directory, load=path)
 
 
+@pytest.mark.parametrize(
+    ("format", "samples", "message"),
+    [
+        ("npz", [torch.arange(3)] * 4, "'npz' stores samples that are a tuple of tensors"),
+        ("npz", [{"x": 1}] * 4, "a sample here is a dict; write format='pt'"),
+        ("npy", [(torch.ones(2), 1)] * 4, "or npz for \\(input, target\\) pairs"),
+        ("npy", [torch.ones(2), torch.ones(3)], "Samples 0 to 1 cannot be stacked into one npy"),
+    ],
+)
+def test_samples_a_format_cannot_hold_are_refused(
+    tmp_path: Path, format: str, samples: list, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        write_shards(samples, tmp_path / "d", 2, format=format)
+    assert not (tmp_path / "d").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file; give write_shards a directory"):
+        write_shards([torch.ones(2)], tmp_path / "file", 1)
+
+
 @pytest.mark.timeout(120)
 def test_shard_files_train_as_single_and_resume_at_another_world_size(tmp_path: Path) -> None:
     generator = torch.Generator().manual_seed(0)

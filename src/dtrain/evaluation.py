@@ -85,9 +85,15 @@ def shortfall(loader: Iterable[Any], strategy: Strategy, device: torch.device) -
     collective over them). Where the model's forward is a collective (sharded parameters
     are gathered in forward), a rank without a share of the last, short batch must still
     take part in as many forwards."""
-    if strategy.dp_size == 1 or not hasattr(loader, "__len__"):
+    if strategy.dp_size == 1:
         return 0
-    count = torch.tensor([len(loader)], device=device)  # type: ignore[arg-type]
+    try:
+        length = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        # A stream of unknown length (a DataLoader has __len__ whatever it reads): taken
+        # only with drop_last=True there, which gives every rank as many batches.
+        return 0
+    count = torch.tensor([length], device=device)
     most = count.clone()
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=strategy.dp_group)
     return int(most.item() - count.item())

@@ -147,17 +147,23 @@ class Feeder:
         where.epoch = epoch
         where.samples_in_epoch = skip * per_step
         where.samples_per_step = per_step
-        yield from track(
-            loader,
-            total=None if (batches := _length(loader)) is None else batches - skip,
-            samples_per_item=per_step,
-            throughput=self.throughput,
-            loss=loss,
-            desc=desc,
-            enabled=self.is_main,
-            waited=waited,
-            finish=finish,
-        )
+        try:
+            yield from track(
+                loader,
+                total=None if (batches := _length(loader)) is None else batches - skip,
+                samples_per_item=per_step,
+                throughput=self.throughput,
+                loss=loss,
+                desc=desc,
+                enabled=self.is_main,
+                waited=waited,
+                finish=finish,
+            )
+        finally:
+            if skip and isinstance(sampler, StreamShare):
+                # The readers read the skip when they start; a later pass over the loader
+                # (outside progress) reads the whole epoch, as a sampler's would.
+                sampler.set_epoch(epoch)
 
     def _warn_if_unsharded(self, loader: Any) -> None:
         """Warn once if the data-parallel workers would all read every sample."""

@@ -71,7 +71,10 @@ def write_shards(
         raise ConfigError(
             f"{total} samples cannot fill {partitions} partitions; use between 1 and {total}."
         )
+    _check_fits(samples[0], format)
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file; give write_shards a directory to write.")
     if out_dir.exists() and not (out_dir / INDEX).is_file() and any(out_dir.iterdir()):
         raise ConfigError(
             f"{out_dir} holds files other than shard files, and writing shards replaces the "
@@ -86,7 +89,14 @@ def write_shards(
             for first in range(start, end, shard_size):
                 name = f"shard-{len(shards):05d}.{format}"
                 rows = [samples[i] for i in range(first, min(first + shard_size, end))]
-                _WRITERS[format](rows, tmp / name)
+                try:
+                    _WRITERS[format](rows, tmp / name)
+                except ValueError as e:  # numpy cannot stack samples of unequal shapes
+                    raise ConfigError(
+                        f"Samples {first} to {first + len(rows) - 1} cannot be stacked into one "
+                        f"{format} array ({e}); every sample's fields must have one shape in "
+                        "that format: write format='pt', which keeps each sample as it is."
+                    ) from None
                 shards.append(
                     {
                         "name": name,
@@ -433,6 +443,22 @@ class _Rows:
         # A copy: rows of a memory map would keep the file open and be read-only.
         rows = tuple(torch.from_numpy(np.array(array[i])) for array in self.arrays)
         return rows[0] if len(rows) == 1 else rows
+
+
+def _check_fits(sample: Any, format: str) -> None:  # noqa: A002 - as in write_shards
+    """A ConfigError if samples like `sample` would not come back as they went in: `npy`
+    holds one array per sample, `npz` a tuple of arrays; `pt` holds any sample."""
+    single = isinstance(sample, torch.Tensor | np.ndarray | int | float)
+    fields = isinstance(sample, tuple | list) and all(
+        isinstance(value, torch.Tensor | np.ndarray | int | float) for value in sample
+    )
+    if (format == "npy" and not single) or (format == "npz" and not fields):
+        wants = "one tensor or array" if format == "npy" else "a tuple of tensors or arrays"
+        raise ConfigError(
+            f"format={format!r} stores samples that are {wants}, and a sample here is a "
+            f"{type(sample).__name__}; write format='pt', which keeps any sample as it is"
+            f"{', or npz for (input, target) pairs' if format == 'npy' else ''}."
+        )
 
 
 def _write_pt(samples: list[Any], path: Path) -> None:

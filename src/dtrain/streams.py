@@ -88,6 +88,10 @@ class StreamShare(IterableDataset):
         """Select the epoch; `skip` leaves out its first `skip` global batches (resume): their
         samples are read and dropped, never collated."""
         self._where[0], self._where[1] = epoch, skip
+        if hasattr(self.dataset, "set_epoch"):
+            # Here too, not only in the readers: a stream whose length follows the epoch
+            # gives the main process's len(loader) for it.
+            self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         epoch, skip = self._where.tolist()
