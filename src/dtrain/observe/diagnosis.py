@@ -7,6 +7,8 @@ per rank) and names one cause with the figures it saw and what to change:
   others, who wait for it at every synchronisation;
 - ``data``: the loop waits for the next batch for a good share of the step;
 - ``communication``: the exchange that compute did not hide (t2 against compute t1);
+  across machines it names the flags that send fewer bytes between them and apply to the
+  running strategy (`Job`);
 - ``small-batch``: each device gets so few samples that fixed costs dominate the step;
 - ``memory``: a device ran close to its memory's end.
 
@@ -16,7 +18,10 @@ Causes are ordered by the share of the step they cost, most important first.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
+
+from dtrain.config import COMPRESSES_CAST, COMPRESSES_POWERSGD
 
 SHARE = 0.2
 """A cause is reported when it costs at least this share of the step."""
@@ -29,6 +34,22 @@ SMALL_BATCH = 16
 
 MEMORY_SHARE = 0.9
 """Peak memory above this share of a device's memory is reported."""
+
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+"""Strategies whose every rank holds or gathers a whole replica: local-sgd can replace them."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the diagnosis knows of the running layout, to advise what applies to it."""
+
+    strategy: str
+    nnodes: int = 1
+    hierarchical: bool = False
+    grad_compression: str = "none"
+    half: str = "bf16"
+    """The 16-bit format the devices reduce in: bf16, or fp16 on GPUs without bf16."""
 
 
 def _ms(seconds: float) -> str:
@@ -50,6 +71,7 @@ def diagnose(
     per_device_batch: int | None = None,
     memory: list[tuple[int, int] | None] | None = None,
     grad_accumulation: int = 1,
+    job: Job | None = None,
 ) -> list[dict[str, Any]]:
     """The causes, most important first: ``{"cause", "rank", "message"}`` each.
 
@@ -58,6 +80,7 @@ def diagnose(
         per_device_batch: samples each device computes per step, if known.
         memory: per rank, (peak bytes, device bytes) where the device reports them.
         grad_accumulation: the run's micro-batches per exchange (--grad-accumulation).
+        job: the running layout, if known (the communication advice across machines).
     """
     if not breakdown:
         return []
@@ -98,8 +121,7 @@ def diagnose(
                     f"each {_ms(step)} step, against {_ms(t1)} of forward and backward "
                     "compute (t1): the devices wait for the network. Raise the per-device "
                     f"batch or {_accumulate_more(grad_accumulation)} so each exchange carries "
-                    "more compute, use --hierarchical across machines, or a strategy that "
-                    "moves fewer bytes per step.",
+                    f"more compute, {_fewer_bytes(job)}.",
                 },
             )
         )
@@ -144,6 +166,40 @@ def _accumulate_more(grad_accumulation: int) -> str:
     if grad_accumulation > 1:
         return f"raise --grad-accumulation above its {grad_accumulation}"
     return "use --grad-accumulation"
+
+
+def _fewer_bytes(job: Job | None) -> str:
+    """The advice to send fewer bytes per step: across machines, the flags that apply to
+    `job`'s strategy (exact ones first; compression only where dtrain runs it)."""
+    generic = "use --hierarchical across machines, or a strategy that moves fewer bytes per step"
+    if job is None or job.nnodes < 2:
+        return generic
+    exact, inexact = [], []
+    if job.strategy == "ddp" and not job.hierarchical:
+        exact.append("--hierarchical")
+    if job.strategy in ("zero2", "zero3"):
+        exact.append("--strategy hsdp (shards inside each machine, replicates across)")
+    cast = job.grad_compression in ("fp16", "bf16")
+    if job.strategy in COMPRESSES_CAST and job.grad_compression == "none":
+        inexact.append(f"--grad-compression {job.half}")
+    elif job.strategy in COMPRESSES_POWERSGD and cast and not job.hierarchical:
+        inexact.append("--grad-compression powersgd:4")  # PowerSGD refuses --hierarchical
+    if job.strategy in DATA_PARALLEL:
+        inexact.append("--strategy local-sgd (if a whole replica fits one device)")
+    elif job.strategy == "local-sgd":
+        inexact.append("a larger --sync-every")
+    if not exact and not inexact:
+        return "or use a strategy that moves fewer bytes per step"
+    flags = exact + inexact
+    listed = ", ".join(flags[:-1]) + (" or " if len(flags) > 1 else "") + flags[-1]
+    text = f"or send fewer bytes between the {job.nnodes} machines: {listed}"
+    if inexact:
+        if not exact:
+            which = "this changes" if len(inexact) == 1 else "these change"
+        else:
+            which = "the last changes" if len(inexact) == 1 else f"the last {len(inexact)} change"
+        text += f"; {which} the training: check the loss"
+    return text
 
 
 def _straggler(

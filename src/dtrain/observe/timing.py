@@ -24,7 +24,7 @@ from dtrain.config import Config, step_window
 from dtrain.errors import SetupError
 from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.clock import clock_for
-from dtrain.observe.diagnosis import diagnose, table
+from dtrain.observe.diagnosis import Job, diagnose, table
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.trace import write_trace
 
@@ -43,6 +43,14 @@ class RunTiming:
         window = step_window(config.trace_steps) if self.trace_path else None
         self.timer = StepTimer(clock_for(device), trace_window=window)
         self.grad_accumulation = config.grad_accumulation
+        self.job = Job(
+            config.strategy,
+            config.nnodes,
+            config.hierarchical,
+            config.grad_compression,
+            # The 16-bit format to advise: fp16 on GPUs without bf16.
+            "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16",
+        )
         self.per_device_batch: int | None = None
         """Samples one device computes per micro-batch, once a step has run."""
         self._forwards: RemovableHandle | None = None
@@ -135,7 +143,9 @@ class RunTiming:
         if any(b is None for b in breakdown):
             return {}
         memory = [r["memory"] for r in everyone]
-        causes = diagnose(breakdown, self.per_device_batch, memory, self.grad_accumulation)
+        causes = diagnose(
+            breakdown, self.per_device_batch, memory, self.grad_accumulation, self.job
+        )
         text = table(breakdown, causes)
         LOGGER.info(text)
         print(text, flush=True)

@@ -6,7 +6,8 @@
 - `weigh`: the model's bytes, FLOPs and per-layer shares; `overheads`: the wrappers' cost;
 - `links`: seconds per collective by size, measured with `dtrain bench comm`;
 - `machine`: cores, GPUs, memory per device, links between machines;
-- `costs`: the formulas (ring all-reduce, overlap, bubble, ZeRO memory, PS, TP);
+- `costs`: the formulas (ring all-reduce, overlap, bubble, ZeRO memory, PS, TP,
+  gradient compression, local SGD);
 - `layouts`: the candidate layouts, their flags, and dtrain's own checks on them;
 - `inputs`: an estimate's terms and the figures they come from;
 - `estimate` (data parallel, ps) and `model_parallel` (pipeline, tensor, hybrid): each

@@ -14,8 +14,16 @@ import torch
 
 from dtrain.errors import ConfigError
 from dtrain.plan import calibrate, links, report, weigh
-from dtrain.plan.estimate import Estimate, Inputs, estimate, probe_points, wrappers_of
-from dtrain.plan.layouts import Layout, check, enumerate_layouts
+from dtrain.plan.estimate import (
+    Estimate,
+    Inputs,
+    estimate,
+    inexact_unneeded,
+    probe_points,
+    rank,
+    wrappers_of,
+)
+from dtrain.plan.layouts import Layout, check, enumerate_layouts, inexact_layouts
 from dtrain.plan.machine import Machine, physical_memory, threads_from_env, usable_cores
 from dtrain.plan.source import Source, Workload, load_source
 
@@ -93,7 +101,11 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     machine = machine_of(args)
     kept: list[Layout] = []
     left_out: list[dict[str, str]] = []
-    for layout in enumerate_layouts(args.nproc, args.nnodes, machine.gpus):
+    # bf16 and fp16 cost the same: offer the one the devices reduce in.
+    half = "fp16" if machine.gpus and not torch.cuda.is_bf16_supported() else "bf16"
+    layouts = enumerate_layouts(args.nproc, args.nnodes, machine.gpus)
+    layouts += inexact_layouts(args.nproc, args.nnodes, half)
+    for layout in layouts:
         reason = check(layout, batch, work.model)
         if reason is None:
             kept.append(layout)
@@ -135,13 +147,22 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                     "device (--memory-per-device).",
                 }
             )
+    why = inexact_unneeded(estimates) if args.nnodes == 1 else None
+    if why is not None:
+        inexact = [e for e in estimates if not e.layout.exact]
+        left_out += [{"flags": e.layout.flags(), "reason": why} for e in inexact]
+        estimates = [e for e in estimates if e.layout.exact]
     if not estimates:
         raise ConfigError(
             f"No layout of {work.name} fits {machine.memory_per_device:,} bytes per device "
             f"with --nproc {args.nproc} x --nnodes {args.nnodes}; add devices, lower "
             "--global-batch-size, or raise --memory-per-device if the devices hold more."
         )
-    estimates.sort(key=lambda e: -e.samples_per_second)
+    estimates = rank(estimates)
+    explanation = report.explain(estimates, machine.memory_per_device)
+    pays = report.where_inexact_pays(estimates, _link_words(args, link, machine))
+    if pays:
+        explanation += "\n\n" + pays
     if args.top:
         estimates = estimates[: args.top]
     prefix = None
@@ -156,10 +177,17 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "global_batch_size": batch,
         "candidates": [report.candidate(e, prefix) for e in estimates],
         "left_out": left_out,
-        "explanation": report.explain(estimates, machine.memory_per_device),
+        "explanation": explanation,
         "calibration": _calibration_summary(cal, link, machine),
         "_estimates": estimates,
     }
+
+
+def _link_words(args: argparse.Namespace, link: links.Links, machine: Machine) -> str:
+    """The links a data-parallel layout's gradients cross, in words with their speed."""
+    if args.nnodes > 1:
+        return f"the {machine.inter_node[0] * 8e-6:,.0f} Mbit/s links between machines"
+    return f"the {link.bus_bandwidth * 8e-6:,.0f} Mbit/s links between the processes"
 
 
 def _calibration_summary(

@@ -14,6 +14,9 @@ DDP_FIRST_BUCKET = 2**20
 """DDP's first gradient bucket (1 MiB; Li et al., VLDB 2020): ready soonest, sent first."""
 DDP_BUCKET = 25 * 2**20
 """DDP's other gradient buckets (25 MiB)."""
+POWERSGD_MIN_RATE = 2.0
+"""PowerSGD sends a matrix as factors only where they are under 1/2 of it (torch's
+default, `dtrain.parallel.compression.MIN_COMPRESSION_RATE`)."""
 
 
 def ring_allreduce_bytes(size: float, n: int) -> float:
@@ -153,14 +156,18 @@ def hierarchical_seconds(
     nodes: int,
     intra: tuple[float, float],
     inter: tuple[float, float],
+    cross: float = 1.0,
 ) -> float:
     """ddp --hierarchical: reduce inside each machine to its leader, all-reduce across the
-    leaders, broadcast inside: 2 S / B_in + 2(h-1)/h x S / B_out, plus each step's latency.
-    `intra` and `inter` are (bandwidth, latency) of the links inside and between machines."""
+    leaders, broadcast inside: 2 S / B_in + 2(h-1)/h x c S / B_out, plus each step's
+    latency. `intra` and `inter` are (bandwidth, latency) of the links inside and between
+    machines; `cross` (c) the bytes sent across per byte of the message (1/2 when a 16-bit
+    --grad-compression casts what crosses machines)."""
     inside = 0.0
     if per_node > 1:
         inside = 2 * (intra[1] + size / intra[0])
-    return inside + ring_allreduce_seconds(size, nodes, inter[0], inter[1] * 2 * (nodes - 1))
+    latency = inter[1] * 2 * (nodes - 1)
+    return inside + ring_allreduce_seconds(cross * size, nodes, inter[0], latency)
 
 
 def flat_multinode_seconds(
@@ -171,6 +178,55 @@ def flat_multinode_seconds(
     latency (W = per_node x nodes ranks)."""
     world = per_node * nodes
     return ring_allreduce_seconds(size, world, inter[0], inter[1] * 2 * (world - 1))
+
+
+def cast_bytes_factor(compression: str) -> float:
+    """Bytes a --grad-compression sends per fp32 gradient byte by casting: 1/2 for fp16
+    and bf16 (2 bytes a value instead of 4), 1 for the others (PowerSGD sends fewer values
+    instead: `powersgd_values`)."""
+    return 0.5 if compression in ("fp16", "bf16") else 1.0
+
+
+def powersgd_matrices(shapes: list[tuple[int, ...]], rank: int) -> list[tuple[int, int, int]]:
+    """(m, n, r) of each parameter PowerSGD sends as factors, as torch's `powerSGD_hook`
+    picks them: a tensor of 2 or more dimensions, viewed as m = shape[0] rows of n values,
+    at rank r = min(rank, m, n), where m n exceeds 2 (m + n) r; vectors, and matrices
+    that would gain less, are sent whole."""
+    out = []
+    for shape in shapes:
+        if len(shape) < 2:
+            continue
+        m = shape[0]
+        n = math.prod(shape[1:])
+        r = min(rank, m, n)
+        if m * n > POWERSGD_MIN_RATE * (m + n) * r:
+            out.append((m, n, r))
+    return out
+
+
+def powersgd_values(shapes: list[tuple[int, ...]], rank: int) -> float:
+    """Values PowerSGD all-reduces per step (Vogels et al., NeurIPS 2019): (m + n) r per
+    matrix it compresses (P = M Q, m x r, and Q = M^T P, n x r) instead of m n, every
+    other value whole."""
+    values = sum(math.prod(shape) for shape in shapes)
+    for m, n, r in powersgd_matrices(shapes, rank):
+        values -= m * n - (m + n) * r
+    return float(values)
+
+
+def powersgd_flops(shapes: list[tuple[int, ...]], rank: int) -> float:
+    """FLOPs PowerSGD adds per step, per matrix it compresses: 3 x 2 m n r of matmuls
+    (P = M Q, Q = M^T P, the approximation P Q^T), 2 m r^2 to orthogonalise P
+    (Gram-Schmidt), 2 m n for the error feedback (add the last error, keep the new one)."""
+    matrices = powersgd_matrices(shapes, rank)
+    return float(sum(6 * m * n * r + 2 * m * r * r + 2 * m * n for m, n, r in matrices))
+
+
+def local_sgd_seconds(sync_seconds: float, sync_every: int) -> float:
+    """Communication per step of local SGD: one all-reduce of the parameters and buffers
+    (`sync_seconds`) every H = `sync_every` steps, so sync / H (DiLoCo all-reduces the
+    parameters' changes instead: the same bytes)."""
+    return sync_seconds / sync_every
 
 
 def samples_per_second(global_batch: int, step_seconds: float) -> float:

@@ -4,19 +4,39 @@ Per step, t1 is the compute (forward + backward at the per-device batch, measure
 the communication that compute does not hide; the step is t1 + t2 + the optimizer (+ the
 pipeline's idle fill and drain). Each strategy's terms are in its function below; the
 formulas themselves are in `dtrain.plan.costs` and docs/plan.md.
+
+The layouts that change the training (--grad-compression, local-sgd: `Layout.exact` is
+False) rank above an exact one only when clearly faster (`rank`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from dtrain.config import grad_compression
 from dtrain.plan import costs
+from dtrain.plan.calibrate import StepTime
 from dtrain.plan.inputs import Estimate, Inputs, activation_bytes, overlapped
 from dtrain.plan.layouts import Layout
 from dtrain.plan.machine import Machine
 from dtrain.plan.model_parallel import model_parallel
 
-__all__ = ["Estimate", "Inputs", "estimate", "probe_points", "wrappers_of"]
+__all__ = ["Estimate", "Inputs", "estimate", "probe_points", "rank", "wrappers_of"]
+
+EXACT_PREFERENCE = 1.1
+"""An inexact layout ranks above an exact one only when predicted more than this many
+times as fast: within the cost model's error (about 10%), the layout that trains the
+same model as `single` wins."""
+INEXACT_SHARE = 0.25
+"""On one machine the inexact layouts are offered only where exact ddp spends at least
+this share of its step communicating; elsewhere they change the training for little."""
+DENSE_FLOPS_PER_PARAMETER = 6
+"""Forward + backward FLOPs per parameter per sample of a dense model (2 forward, 4
+backward): PowerSGD's compute rate where FlopCounterMode counts none."""
+POWERSGD_SLOWDOWN = 4.0
+"""PowerSGD's small matmuls, its column-by-column Gram-Schmidt (a Python loop in torch's
+hook) and its copies in and out of the buckets run well below the model's own FLOP rate:
+its FLOPs are counted at a quarter of that rate (a rough factor, not measured)."""
 
 
 def _single(inputs: Inputs, layout: Layout) -> Estimate:
@@ -55,12 +75,30 @@ def _towers(inputs: Inputs, layout: Layout) -> Estimate:
 
 def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     """ddp, zero1: DDP's bucketed all-reduce overlapped with backward; zero1 adds the
-    broadcast of every parameter from the rank that updated it and updates 1/N."""
+    broadcast of every parameter from the rank that updated it and updates 1/N.
+    --grad-compression fp16/bf16 halves the all-reduced bytes (under --hierarchical those
+    between machines); PowerSGD all-reduces `costs.powersgd_values` in three all-reduces
+    a bucket (the values sent whole, then the P and the Q factors) and computes its
+    factors (`_powersgd_seconds`)."""
     f = inputs.calibration.figures
     n = layout.world
     b = inputs.global_batch / n
     s = inputs.step(b, layout.processes_per_node)
-    buckets = [inputs.allreduce(size, n, layout) for size in costs.ddp_buckets(f.grad_bytes)]
+    kind, rank = grad_compression(layout.grad_compression)
+    sizes = costs.ddp_buckets(f.grad_bytes)
+    extra = buffers = 0.0
+    if kind == "powersgd":
+        value = f.grad_bytes / max(f.params, 1)
+        ratio = costs.powersgd_values(f.tensor_shapes, rank) * value / max(f.grad_bytes, 1)
+        latency = inputs.allreduce(0, n, layout)
+        buckets = [inputs.allreduce(ratio * size, n, layout) + 2 * latency for size in sizes]
+        extra = _powersgd_seconds(inputs, s, b, rank)
+        # Error feedback keeps each compressed matrix's error, warm start its Q.
+        matrices = costs.powersgd_matrices(f.tensor_shapes, rank)
+        buffers = value * sum(m * c + c * r for m, c, r in matrices)
+    else:
+        cast = costs.cast_bytes_factor(kind)
+        buckets = [inputs.allreduce(size, n, layout, cast=cast) for size in sizes]
     comm = overlapped(inputs, layout, buckets, s.backward)
     optimizer = s.optimizer
     stage = 0
@@ -76,16 +114,29 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
         states += f.optimizer_bytes * (share - 1 / n)
     return Estimate(
         layout, b, s.data, s.compute, comm, optimizer, 0.0, states, activation_bytes(inputs, b),
-        wait_seconds=inputs.jitter_wait(n, s.compute), overhead_seconds=inputs.overhead("ddp"),
-        buffer_bytes=f.grad_bytes,  # DDP's gradient buckets at the peak of backward
+        wait_seconds=inputs.jitter_wait(n, s.compute),
+        overhead_seconds=inputs.overhead("ddp") + extra,
+        buffer_bytes=f.grad_bytes + buffers,  # DDP's gradient buckets at the peak of backward
     )  # fmt: skip
+
+
+def _powersgd_seconds(inputs: Inputs, s: StepTime, batch: float, rank: int) -> float:
+    """PowerSGD's own compute per step: `costs.powersgd_flops` at the FLOP rate the
+    device reaches on the model (its FLOPs per sample x `batch` in the measured forward
+    and backward), slowed by `POWERSGD_SLOWDOWN`."""
+    f = inputs.calibration.figures
+    per_sample = f.flops_per_sample or DENSE_FLOPS_PER_PARAMETER * f.params
+    rate = per_sample * batch / max(s.compute, 1e-12)
+    return POWERSGD_SLOWDOWN * costs.powersgd_flops(f.tensor_shapes, rank) / rate
 
 
 def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
     """zero2, zero3, hsdp (FSDP2, unit by unit): forward all-gathers each unit (prefetched
     during the previous unit's forward); backward reduce-scatters each unit's gradients
-    (and zero3 all-gathers the unit again first: 1.5x the traffic)."""
+    (and zero3 all-gathers the unit again first: 1.5x the traffic). hsdp's fp16/bf16
+    --grad-compression is FSDP2's reduce dtype: every gradient reduction sends half."""
     f = inputs.calibration.figures
+    cast = costs.cast_bytes_factor(layout.grad_compression)
     n = layout.world
     shard = layout.shard_size or n
     b = inputs.global_batch / n
@@ -96,9 +147,9 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
         return inputs.collective("all_gather", size, shard, layout)
 
     def scatter(size: float) -> float:
-        seconds = inputs.collective("reduce_scatter", size, shard, layout)
+        seconds = inputs.collective("reduce_scatter", cast * size, shard, layout)
         if shard < n:  # hsdp: each shard's gradients are averaged across the replicas
-            seconds += inputs.allreduce(size / shard, n // shard, layout, stride=shard)
+            seconds += inputs.allreduce(size / shard, n // shard, layout, shard, cast)
         return seconds
 
     units = f.unit_bytes
@@ -111,6 +162,29 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
         layout, b, s.data, s.compute, comm, s.optimizer / shard, 0.0, states,
         activation_bytes(inputs, b), wait_seconds=inputs.jitter_wait(n, s.compute),
         overhead_seconds=inputs.overhead("zero2" if stage == 2 else "zero3"),
+    )  # fmt: skip
+
+
+def _local_sgd(inputs: Inputs, layout: Layout) -> Estimate:
+    """local-sgd: each replica computes its share of the batch and steps alone; every H-th
+    step the replicas all-reduce their parameters and floating-point buffers in one flat
+    message (DiLoCo: the parameters' changes, the same bytes) that no compute hides, so
+    t2 = sync / H (`costs.local_sgd_seconds`). DiLoCo's outer step and the changes (a few
+    passes over the parameters every H steps) are not counted; DiLoCo holds the synced
+    model, and an outer optimizer with momentum its buffer."""
+    f = inputs.calibration.figures
+    n = layout.world
+    b = inputs.global_batch / n
+    s = inputs.step(b, layout.processes_per_node)
+    synced = f.param_bytes + f.buffer_bytes
+    comm = costs.local_sgd_seconds(inputs.allreduce(synced, n, layout), layout.sync_every)
+    states = f.param_bytes + f.grad_bytes + f.optimizer_bytes
+    if layout.outer_optimizer != "none":
+        states += f.param_bytes * (2 if layout.outer_optimizer == "nesterov" else 1)
+    return Estimate(
+        layout, b, s.data, s.compute, comm, s.optimizer, 0.0, states, activation_bytes(inputs, b),
+        wait_seconds=inputs.jitter_wait(n, s.compute),
+        buffer_bytes=synced,  # the flat copy a sync all-reduces
     )  # fmt: skip
 
 
@@ -142,6 +216,7 @@ ESTIMATORS: dict[str, Callable[[Inputs, Layout], Estimate]] = {
     "zero3": _sharded,
     "hsdp": _sharded,
     "ps": _parameter_server,
+    "local-sgd": _local_sgd,
     "pipeline": model_parallel,
     "tensor": model_parallel,
     "hybrid": model_parallel,
@@ -160,6 +235,32 @@ def estimate(inputs: Inputs, layout: Layout) -> Estimate:
     result.global_batch = inputs.global_batch
     result.fits = result.memory_bytes_per_rank <= inputs.machine.memory_per_device
     return result
+
+
+def rank(estimates: list[Estimate]) -> list[Estimate]:
+    """`estimates` best first, by predicted samples per second, an inexact layout's
+    divided by `EXACT_PREFERENCE`: it must be clearly faster to rank above an exact one."""
+
+    def score(e: Estimate) -> float:
+        return e.samples_per_second / (1.0 if e.layout.exact else EXACT_PREFERENCE)
+
+    return sorted(estimates, key=lambda e: -score(e))
+
+
+def inexact_unneeded(estimates: list[Estimate]) -> str | None:
+    """Why the inexact layouts are not offered on one machine: exact ddp spends less than
+    `INEXACT_SHARE` of its step communicating (None if it spends more, or did not fit)."""
+    ddp = [e for e in estimates if e.layout.strategy == "ddp" and e.layout.exact]
+    if not ddp:
+        return None
+    share = ddp[0].communication_seconds / ddp[0].step_seconds
+    if share >= INEXACT_SHARE:
+        return None
+    return (
+        f"ddp communicates {share:.0%} of its step on this machine's links (under "
+        f"{INEXACT_SHARE:.0%}), so compression and local SGD would change the training for "
+        "little speed; they are offered across machines, or where the links are slow."
+    )
 
 
 def wrappers_of(layouts: list[Layout]) -> set[str]:

@@ -163,22 +163,26 @@ class Inputs:
         bandwidth, latency = self.machine.inter_node
         return latency + size / bandwidth
 
-    def allreduce(self, size: float, n: int, layout: Layout, stride: int = 1) -> float:
+    def allreduce(
+        self, size: float, n: int, layout: Layout, stride: int = 1, cast: float = 1.0
+    ) -> float:
         """One all-reduce of `size` bytes over a group of `n` ranks `stride` apart: inside
         a machine on the measured links; the whole job across machines as a flat ring or
-        hierarchically; a smaller group across machines as a ring through their links."""
+        hierarchically; a smaller group across machines as a ring through their links.
+        `cast` is the bytes sent per byte of the message (`costs.cast_bytes_factor`):
+        under --hierarchical only the bytes that cross machines are cast."""
         if not spans_machines(n, stride, layout):
-            return self.local("all_reduce", size, n)
+            return self.local("all_reduce", cast * size, n)
         bandwidth, latency = self.machine.inter_node
         if n < layout.world:
-            return costs.ring_allreduce_seconds(size, n, bandwidth, latency * 2 * (n - 1))
+            return costs.ring_allreduce_seconds(cast * size, n, bandwidth, latency * 2 * (n - 1))
         intra = (self.links.bus_bandwidth, self.links.latency_seconds)
         if layout.hierarchical:
             return costs.hierarchical_seconds(
-                size, layout.nproc, layout.nnodes, intra, self.machine.inter_node
+                size, layout.nproc, layout.nnodes, intra, self.machine.inter_node, cast
             )
         return costs.flat_multinode_seconds(
-            size, layout.nproc, layout.nnodes, self.machine.inter_node
+            cast * size, layout.nproc, layout.nnodes, self.machine.inter_node
         )
 
 

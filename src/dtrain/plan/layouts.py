@@ -8,6 +8,12 @@ machines. A layout is kept only if dtrain itself would run it: its flags make a 
 Config, the strategy's own launch checks pass, the global batch divides, and the model
 can be split that way (pipeline_layers(), tensor_parallel_plan(degree)). The reason
 for leaving each other one out is kept for the report.
+
+`inexact_layouts` adds the layouts that send fewer bytes by changing the training:
+--grad-compression (a 16-bit cast under ddp, zero1, hierarchical ddp and hsdp; PowerSGD
+under ddp and zero1) and local-sgd (plain averaging and DiLoCo). They are not `exact`:
+the plan marks them and ranks them first only when they are clearly faster
+(`dtrain.plan.estimate.rank`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,11 @@ MASTER_PLACEHOLDER = "NODE0:29500"
 """--master in the flags of multi-machine layouts: node 0's address and a free port go here."""
 SCHEDULE_MICROBATCHES = (1, 2, 4)
 """Micro-batch counts tried, in multiples of the stage count."""
+POWERSGD_RANKS = (1, 4)
+"""PowerSGD ranks tried: the paper's cheapest, and one that approximates closer."""
+SYNC_EVERY = (8, 32)
+"""local-sgd's steps between syncs tried: its default, and DiLoCo's order of magnitude
+(the paper syncs every 500 steps; a short run would then hardly sync)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,40 @@ class Layout:
     virtual: int = 1
     hierarchical: bool = False
     shard_size: int = 0
+    grad_compression: str = "none"
+    sync_every: int = 0
+    """local-sgd: optimizer steps between two syncs."""
+    outer_optimizer: str = "none"
+    """local-sgd: DiLoCo's outer optimizer, or none for plain averaging."""
+
+    @property
+    def exact(self) -> bool:
+        """True if the layout trains the same model as `single` (up to float rounding);
+        False where it sends less by changing the training."""
+        return self.grad_compression == "none" and self.strategy != "local-sgd"
+
+    @property
+    def note(self) -> str:
+        """How the layout changes the training, in one sentence ("" if it does not)."""
+        check = "check the loss against an exact layout's."
+        if self.strategy == "local-sgd":
+            how = "averages" if self.outer_optimizer == "none" else "DiLoCo syncs"
+            return (
+                f"Changes the training: the replicas train alone for {self.sync_every} steps "
+                f"and drift apart between syncs ({how} them); {check}"
+            )
+        if self.grad_compression.startswith("powersgd"):
+            return (
+                "Changes the training: PowerSGD approximates each gradient matrix by "
+                f"rank-{self.grad_compression.partition(':')[2]} factors (with error "
+                f"feedback); {check}"
+            )
+        if self.grad_compression != "none":
+            return (
+                f"Changes the training: the gradients are averaged rounded to "
+                f"{self.grad_compression}; {check}"
+            )
+        return ""
 
     @property
     def world(self) -> int:
@@ -73,6 +118,12 @@ class Layout:
             out.append("--hierarchical")
         if self.shard_size:
             out.append(f"--shard-size {self.shard_size}")
+        if self.grad_compression != "none":
+            out.append(f"--grad-compression {self.grad_compression}")
+        if self.sync_every:
+            out.append(f"--sync-every {self.sync_every}")
+        if self.outer_optimizer != "none":
+            out.append(f"--outer-optimizer {self.outer_optimizer}")
         if self.servers:
             out.append(f"--servers {self.servers}")
         if self.strategy == "hybrid":
@@ -99,6 +150,9 @@ class Layout:
         options |= {"hierarchical": self.hierarchical, "servers": self.servers or 1}
         if self.shard_size:
             options["shard_size"] = self.shard_size
+        options["grad_compression"] = self.grad_compression
+        if self.sync_every:
+            options |= {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer}
         if self.strategy == "hybrid":
             options |= {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         elif self.strategy == "pipeline":
@@ -159,6 +213,29 @@ def enumerate_layouts(nproc: int, nnodes: int, gpus: int) -> list[Layout]:
                 ]  # fmt: skip
             else:
                 out.append(Layout("hybrid", nproc=nproc, nnodes=nnodes, dp=dp, tp=tp))
+    return out
+
+
+def inexact_layouts(nproc: int, nnodes: int, half: str) -> list[Layout]:
+    """The layouts that send fewer bytes than ddp by changing the training, for `nproc`
+    processes per machine on `nnodes` machines: the `half` cast (bf16, or fp16 on GPUs
+    without bf16: the two cost the same, so only one is listed) under ddp, zero1 and,
+    across machines, hierarchical ddp and hsdp; PowerSGD at `POWERSGD_RANKS` under ddp
+    and zero1; local-sgd every `SYNC_EVERY` steps, averaging and DiLoCo (nesterov)."""
+    if nproc * nnodes == 1:
+        return []
+    job = {"nproc": nproc, "nnodes": nnodes}
+    out = [Layout(name, **job, grad_compression=half) for name in ("ddp", "zero1")]
+    if nnodes > 1:
+        out.append(Layout("ddp", **job, hierarchical=True, grad_compression=half))
+        if nproc > 1:
+            out.append(Layout("hsdp", **job, shard_size=nproc, grad_compression=half))
+    for name in ("ddp", "zero1"):
+        out += [Layout(name, **job, grad_compression=f"powersgd:{r}") for r in POWERSGD_RANKS]
+    for outer in ("none", "nesterov"):
+        out += [
+            Layout("local-sgd", **job, sync_every=h, outer_optimizer=outer) for h in SYNC_EVERY
+        ]
     return out
 
 

@@ -1,12 +1,15 @@
 """What `dtrain plan` prints: the candidates as JSON or as a table, and the first pick
 explained in the seeds' terms (t1 compute against t2 communication, the per-device
-batch, the bubble, memory)."""
+batch, the bubble, memory), and where the layouts that change the training pay."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from dtrain.plan.estimate import Estimate
+from dtrain.config import grad_compression
+from dtrain.plan.estimate import EXACT_PREFERENCE, Estimate
+from dtrain.plan.layouts import Layout
 
 MIB = 2**20
 
@@ -33,7 +36,10 @@ def candidate(e: Estimate, command_prefix: str | None) -> dict[str, Any]:
         "buffer_bytes": int(e.buffer_bytes),
         "activation_bytes": int(e.activation_bytes),
         "fits": e.fits,
+        "exact": e.layout.exact,
     }
+    if not e.layout.exact:
+        out["note"] = e.layout.note
     if e.layout.pp > 1:
         out["bubble"] = e.bubble
     if command_prefix:
@@ -53,7 +59,12 @@ def table(ranked: list[Estimate]) -> str:
             f"{i:>3}  {e.samples_per_second:>10,.1f} {e.step_seconds * 1e3:>9.2f} "
             f"{e.compute_seconds * 1e3:>8.2f} {e.communication_seconds * 1e3:>8.2f} "
             f"{e.wait_seconds * 1e3:>8.2f} {e.memory_bytes_per_rank / MIB:>9.1f}  "
-            f"{e.layout.flags()}"
+            f"{e.layout.flags()}{'' if e.layout.exact else ' *'}"
+        )
+    if not all(e.layout.exact for e in ranked):
+        lines.append(
+            "  * changes the training (gradient compression, local SGD): check the loss; "
+            "--json gives each one's note."
         )
     return "\n".join(lines)
 
@@ -67,6 +78,8 @@ def explain(ranked: list[Estimate], memory_per_device: float) -> str:
         f"First pick: {lay.flags()}, predicted {best.samples_per_second:,.1f} "
         f"samples/s (a step of {best.step_seconds * 1e3:.2f} ms)."
     ]
+    if not lay.exact:
+        parts.append(lay.note)
     batch = f"{best.per_device_batch:g}"
     if lay.pp > 1:
         parts.append(
@@ -114,3 +127,75 @@ def explain(ranked: list[Estimate], memory_per_device: float) -> str:
             + (" (within the model's error: try both)." if gap < 0.1 else ".")
         )
     return " ".join(parts)
+
+
+def where_inexact_pays(ranked: list[Estimate], link: str) -> str | None:
+    """For the best candidate that changes the training, what it saves in t1/t2 terms
+    against the exact layout it changes, across `link` (words naming the links the
+    gradients cross), and whether that is worth it; None if there is no such candidate."""
+    inexact = next((e for e in ranked if not e.layout.exact), None)
+    if inexact is None:
+        return None
+    lay = inexact.layout
+    base = (
+        Layout("ddp", nproc=lay.nproc, nnodes=lay.nnodes)
+        if lay.strategy == "local-sgd"
+        else replace(lay, grad_compression="none")
+    )
+    exact = next((e for e in ranked if e.layout == base), None)
+    parts = []
+    if exact is not None:
+        parts.append(
+            f"Under {base.flags()}, communication takes t2 = {_ms(exact.communication_seconds)} "
+            f"per step against t1 = {_ms(exact.compute_seconds)} of compute across {link}; "
+            f"{_saving(lay, inexact, exact)}, so {lay.flags()} is predicted at t2 = "
+            f"{_ms(inexact.communication_seconds)}."
+        )
+    else:
+        parts.append(
+            f"{lay.flags()} communicates t2 = {_ms(inexact.communication_seconds)} per step "
+            f"against t1 = {_ms(inexact.compute_seconds)} of compute across {link}."
+        )
+    best_exact = next((e for e in ranked if e.layout.exact), None)
+    if ranked[0] is inexact:
+        gain = (
+            f", {inexact.samples_per_second / best_exact.samples_per_second - 1:.0%} faster "
+            "than the best exact layout"
+            if best_exact is not None
+            else ""
+        )
+        parts.append(f"It pays: it ranks first{gain}.")
+    elif inexact.samples_per_second <= ranked[0].samples_per_second:
+        parts.append(
+            f"It does not pay here: {ranked[0].layout.flags()} is predicted as fast or faster "
+            "and trains the same model."
+        )
+    else:
+        parts.append(
+            f"It does not pay here: an exact layout ranks first, as a layout that changes "
+            f"the training must be predicted more than {EXACT_PREFERENCE - 1:.0%} faster "
+            "to rank above one that trains the same model."
+        )
+    return " ".join(parts)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _saving(lay: Layout, inexact: Estimate, exact: Estimate) -> str:
+    """What `lay` changes to send less, in a clause."""
+    if lay.strategy == "local-sgd":
+        return (
+            f"local SGD at H = {lay.sync_every} all-reduces the parameters once every "
+            f"{lay.sync_every} steps, dividing t2 by about {lay.sync_every}"
+        )
+    kind, rank = grad_compression(lay.grad_compression)
+    if kind == "powersgd":
+        extra = inexact.overhead_seconds - exact.overhead_seconds
+        return (
+            f"PowerSGD sends each gradient matrix as two rank-{rank} factors for "
+            f"{extra * 1e3:.2f} ms more compute"
+        )
+    where = " between machines" if lay.hierarchical else ""
+    return f"{kind} halves the bytes of the gradient all-reduce{where}"

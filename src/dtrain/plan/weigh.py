@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -65,6 +65,11 @@ class ModelFigures:
     (what is left); each unit is one all-gather and one reduce-scatter."""
     layers: list[LayerFigures] | None = None
     """The pipeline chain, or None when the model has none."""
+    tensor_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    """The shape of each parameter tensor (PowerSGD compresses the matrices among them)."""
+    buffer_bytes: int = 0
+    """Bytes of the floating-point buffers (BatchNorm's running statistics), which a
+    local-sgd sync averages with the parameters."""
 
 
 def weigh(work: Workload, model: nn.Module, device: torch.device, batch: int) -> ModelFigures:
@@ -115,6 +120,10 @@ def weigh(work: Workload, model: nn.Module, device: torch.device, batch: int) ->
         tensor_bytes=[p.numel() * p.element_size() for p in params],
         unit_bytes=[*blocks, param_bytes - sum(blocks)],
         layers=chain,
+        tensor_shapes=[tuple(p.shape) for p in params],
+        buffer_bytes=sum(
+            b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point()
+        ),
     )
 
 
