@@ -322,8 +322,10 @@ class Engine:
         """Iterate `loader` for `epoch`, with a progress bar on the main rank.
 
         Selects the epoch's shuffle, and after `load` skips what the checkpoint had
-        already trained (whole epochs, then the batches of the epoch it stopped in).
+        already trained (whole epochs, then the batches of the epoch it stopped in). The
+        loader's workers and pinning feed the end-of-run advice on a data-bound step.
         """
+        self.timing.reads_from(loader, self.topology.local_world_size)
         yield from self._feeder.epoch(
             loader,
             epoch,

@@ -102,7 +102,7 @@ class Feeder:
                 f"dtrain: global batch {batch_size * self.dp_size} ({batch_size} per "
                 f"data-parallel worker x {self.dp_size})."
             )
-        loader_kwargs.setdefault("pin_memory", self.device.type == "cuda")
+        loader_kwargs = loader_defaults(loader_kwargs, self.device)
         if isinstance(share, StreamShare):
             # Each reader yields whole collated batches of its own.
             return DataLoader(share, batch_size=None, collate_fn=as_is, **loader_kwargs)
@@ -172,6 +172,23 @@ class Feeder:
         self._warned_unsharded = True
         LOGGER.warning(message)
         self.say(message)
+
+
+def loader_defaults(loader_kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """`loader_kwargs` with dtrain's defaults for the DataLoader options left out.
+
+    Batches bound for a GPU come from pinned host memory (``pin_memory=True``), so that
+    their copies overlap compute; on the CPU pinning would only cost. The rest are torch's:
+    ``num_workers=0`` reads in the training process, because worker processes change what
+    a script sees (each holds its own copy of the dataset, which must be picklable under
+    spawn; random draws in ``__getitem__`` come from the workers' generators, not the
+    training process's); ``persistent_workers=False``, because persistent workers keep
+    the dataset as they first copied it, and a dataset changed between epochs (an
+    epoch's augmentation set on it) would silently not change for them; and two batches
+    prefetched per worker. The end-of-run diagnosis says how many workers a data-bound
+    run needs.
+    """
+    return {"pin_memory": device.type == "cuda", **loader_kwargs}
 
 
 def _length(loader: DataLoader) -> int | None:

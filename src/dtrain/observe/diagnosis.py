@@ -17,6 +17,7 @@ Causes are ordered by the share of the step they cost, most important first.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,18 @@ class Job:
     """The 16-bit format the devices reduce in: bf16, or fp16 on GPUs without bf16."""
 
 
+@dataclass(frozen=True)
+class Reading:
+    """How the training loop's loader reads its batches: what the data advice builds on."""
+
+    num_workers: int
+    """The DataLoader's worker processes (0: the training process reads)."""
+    cores: int
+    """CPU cores per training process on this machine."""
+    unpinned: bool
+    """Batches go to a GPU from pageable host memory (``pin_memory=False``)."""
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
@@ -72,6 +85,7 @@ def diagnose(
     memory: list[tuple[int, int] | None] | None = None,
     grad_accumulation: int = 1,
     job: Job | None = None,
+    reading: Reading | None = None,
 ) -> list[dict[str, Any]]:
     """The causes, most important first: ``{"cause", "rank", "message"}`` each.
 
@@ -81,6 +95,7 @@ def diagnose(
         memory: per rank, (peak bytes, device bytes) where the device reports them.
         grad_accumulation: the run's micro-batches per exchange (--grad-accumulation).
         job: the running layout, if known (the communication advice across machines).
+        reading: how the training loader read its batches, if known (the data advice).
     """
     if not breakdown:
         return []
@@ -93,19 +108,8 @@ def diagnose(
         found.append(slow)
     data = statistics.median(p["data"] for p in breakdown)
     if data >= SHARE * step:
-        found.append(
-            (
-                data / step,
-                {
-                    "cause": "data",
-                    "rank": None,
-                    "message": f"Each step waits {_ms(data)} of its {_ms(step)} for the next "
-                    "batch: the input pipeline is the bottleneck. Give the DataLoader more "
-                    "worker processes (num_workers=4 or more), pin memory, or prepare the "
-                    "samples ahead of training.",
-                },
-            )
-        )
+        message = _data_advice(data, step, reading)
+        found.append((data / step, {"cause": "data", "rank": None, "message": message}))
     # The rank that arrives last at each exchange waits only for the exchange itself: its
     # wait is the communication proper; the others' waits add a slower rank's lateness.
     t2 = min(p["communication"] for p in breakdown)
@@ -159,6 +163,39 @@ def diagnose(
             )
     found.sort(key=lambda item: -item[0])
     return [cause for _, cause in found]
+
+
+def _data_advice(data: float, step: float, reading: Reading | None) -> str:
+    """What to change when each step waits `data` of its `step` seconds for its batch."""
+    said = f"Each step waits {_ms(data)} of its {_ms(step)} for the next batch ({data / step:.0%})"
+    if reading is None:
+        return (
+            f"{said}: the input pipeline is the bottleneck. Give the DataLoader more worker "
+            "processes (num_workers), pin memory, or prepare the samples ahead of training."
+        )
+    workers = reading.num_workers
+    compute = step - data
+    # How long one batch takes to make: `data` where the training process makes it (0
+    # workers); W workers that feed one batch a step take about W steps each. Workers keep
+    # up once together they finish one batch in the `compute` of a step.
+    making = data if workers == 0 else workers * step
+    enough = max(workers + 1, math.ceil(making / max(compute, 1e-6)))
+    advice = (
+        f"{said} with num_workers={workers}: the input pipeline is the bottleneck. Pass "
+        f"num_workers={enough} to engine.dataloader, so that worker processes make the "
+        f"batches while the model computes ({_ms(compute)} a step)"
+    )
+    if reading.unpinned:
+        advice += ", and pin_memory=True, so that copies to the GPU overlap compute"
+    spare = reading.cores - 1  # one core trains
+    if enough > spare:
+        advice += (
+            f". This machine has {reading.cores} CPU core(s) per training process: more "
+            f"than {max(spare, 0)} worker(s) speed up reading that waits (disk, network), not "
+            "decoding that computes; decode ahead of training instead (shard files of "
+            "prepared samples: dtrain data write)"
+        )
+    return advice + "."
 
 
 def _accumulate_more(grad_accumulation: int) -> str:

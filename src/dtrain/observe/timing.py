@@ -8,6 +8,7 @@ end of the run.
 
 from __future__ import annotations
 
+import os
 import resource
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from dtrain.config import Config, step_window
 from dtrain.errors import SetupError
 from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.clock import clock_for
-from dtrain.observe.diagnosis import Job, diagnose, table
+from dtrain.observe.diagnosis import Job, Reading, diagnose, table
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.trace import write_trace
 
@@ -53,8 +54,19 @@ class RunTiming:
         )
         self.per_device_batch: int | None = None
         """Samples one device computes per micro-batch, once a step has run."""
+        self.reading: Reading | None = None
+        """How the loader the loop trains from reads (`reads_from`), for the data advice."""
         self._forwards: RemovableHandle | None = None
         self._forward_samples = 0
+
+    def reads_from(self, loader: Any, local_processes: int) -> None:
+        """Note how `loader` (a DataLoader the loop trains from) reads, on a machine that
+        runs `local_processes` training processes."""
+        self.reading = Reading(
+            num_workers=getattr(loader, "num_workers", 0),
+            cores=max(1, _cores() // max(1, local_processes)),
+            unpinned=self.device.type == "cuda" and not getattr(loader, "pin_memory", False),
+        )
 
     def start(
         self,
@@ -144,7 +156,12 @@ class RunTiming:
             return {}
         memory = [r["memory"] for r in everyone]
         causes = diagnose(
-            breakdown, self.per_device_batch, memory, self.grad_accumulation, self.job
+            breakdown,
+            self.per_device_batch,
+            memory,
+            self.grad_accumulation,
+            job=self.job,
+            reading=self.reading,
         )
         text = table(breakdown, causes)
         LOGGER.info(text)
@@ -167,6 +184,14 @@ class RunTiming:
             return None
         total = torch.cuda.get_device_properties(self.device).total_memory
         return torch.cuda.max_memory_reserved(self.device), total
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity mask, where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _samples(call: Any) -> int:
