@@ -256,6 +256,22 @@ def at_two_ranks(directory: str, path: str) -> tuple[Any, Any]:
     return train("ddp", directory, close=False), train("ddp", directory, load=path)
 
 
+def test_persistent_workers_read_a_seed_set_after_they_started(tmp_path: Path) -> None:
+    """As after `engine.load` of a checkpoint whose order had another seed."""
+    directory = ids(tmp_path / "d", 1)
+    fed = feeder(1, 0)
+    loader = fed.loader(
+        ShardFiles(directory), None, GLOBAL_BATCH, True, True, seed=3, num_workers=1,
+        persistent_workers=True,
+    )
+    assert len(list(fed.epoch(loader, 0, "", lambda: None))) == STEPS
+    loader.dataset.seed = 11
+    seen = [batch.tolist() for batch in fed.epoch(loader, 1, "", lambda: None)]
+    fresh = feeder(1, 0)
+    again = fresh.loader(ShardFiles(directory), None, GLOBAL_BATCH, True, True, seed=11)
+    assert seen == [batch.tolist() for batch in fresh.epoch(again, 1, "", lambda: None)]
+
+
 @pytest.mark.parametrize(
     ("format", "samples", "message"),
     [

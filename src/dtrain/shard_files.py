@@ -281,6 +281,9 @@ class ShardShare(StreamShare):
         super().__init__(files, batch_size, dp_size, dp_rank, True, collate_fn)
         self.files = files
         self.shuffle = shuffle
+        # In shared memory, as the epoch is: a load after persistent DataLoader workers
+        # started sets the checkpoint's seed, and they must read it.
+        self._seed = torch.zeros(2, dtype=torch.int64).share_memory_()
         self.seed = seed if files.seed is None else files.seed
         parts = files.partitions
         _check_partitions(files, self.global_batch_size, dp_size)
@@ -304,6 +307,16 @@ class ShardShare(StreamShare):
         self.sizes = sizes
         self.dropped = sum(sizes) - self.steps * self.global_batch_size
         """Samples of an epoch no step takes."""
+
+    @property
+    def seed(self) -> int:
+        """The order's seed (any of torch's seeds, in [0, 2**64))."""
+        high, low = self._seed.tolist()
+        return high << 32 | low
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._seed[0], self._seed[1] = value >> 32, value & 0xFFFFFFFF
 
     def __len__(self) -> int:
         return self.steps
