@@ -102,7 +102,41 @@ def single() -> dict[str, torch.Tensor]:
 def test_ddp_on_two_hosts_equals_one_process(
     hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    assert_close(run_nodes(hosts, tmp_path, "--strategy", "ddp")[0], single)
+    """ddp, and local SGD syncing after every step of SGD (which trains ddp's model)."""
+    local = {"strategy": "local-sgd", "sync_every": 1}
+    ddp, local_sgd = run_nodes(hosts, tmp_path, "--strategy", "ddp", variants=({}, local))
+    assert_close(ddp, single)
+    assert_close(local_sgd, single)
+
+
+def test_diloco_trains_the_digits_across_two_hosts(hosts: cluster.Cluster, tmp_path: Path) -> None:
+    """DiLoCo (Nesterov outer steps every 8 inner AdamW steps) over the 1 Gbit/s link."""
+    master = f"dt-h1:{next(_ports)}"
+    flags = (
+        "--strategy", "local-sgd", "--sync-every", "8", "--outer-optimizer", "nesterov",
+        "--outer-lr", "0.7", "--optimizer", "adamw", "--lr", "0.003", "--nnodes", "2",
+        "--master", master, "--timeout", "60",
+    )  # fmt: skip
+    procs = [
+        hosts.popen(
+            host,
+            _command(
+                "demo", *flags, "--node-rank", str(rank), "--out", str(tmp_path / f"n{rank}"),
+                "--metrics-json", str(tmp_path / f"m{rank}.json"),
+            ),  # fmt: skip
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank, host in enumerate(hosts.hosts)
+    ]
+    outputs = [p.communicate(timeout=150)[0] for p in procs]
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"node {rank}:\n{output[-3000:]}"
+    metrics = json.loads((tmp_path / "m0.json").read_text())
+    assert metrics["strategy"] == "local-sgd" and metrics["world_size"] == 2
+    assert metrics["test_accuracy"] >= 0.95, metrics
 
 
 def test_elastic_nodes_meet_at_the_master_and_train_as_one_process(
