@@ -136,6 +136,9 @@ def test_diloco_trains_the_digits_across_two_hosts(hosts: cluster.Cluster, tmp_p
         assert proc.returncode == 0, f"node {rank}:\n{output[-3000:]}"
     metrics = json.loads((tmp_path / "m0.json").read_text())
     assert metrics["strategy"] == "local-sgd" and metrics["world_size"] == 2
+    assert (metrics["sync_every"], metrics["syncs"]) == (8, 264 // 8)  # 264 steps in all
+    # DiLoCo's inner optimizer is AdamW: the demo's SGD with momentum 0.9 under an outer
+    # momentum of 0.9 overshoots (about 83%).
     assert metrics["test_accuracy"] >= 0.95, metrics
 
 
