@@ -58,6 +58,23 @@ what crosses them); 1 + 1 in the reduce-scatter + 1 in the all-reduce across rep
 POWERSGD = {"strategy": "ddp", "grad_compression": "powersgd:2"}
 
 
+def several_buckets() -> bool:
+    """6 steps of `POWERSGD` on a model of two DDP buckets (4.7 MB: DDP's first bucket
+    holds 1 MiB), each rank on its own data; True if every parameter stayed finite. Where
+    ranks issued one bucket's Q all-reduce and the next bucket's first all-reduce in
+    different orders, gloo aborted the job ("Received data size doesn't match")."""
+    engine = dtrain.init(seed=0, **POWERSGD)
+    model = torch.nn.Sequential(*[torch.nn.Linear(384, 384) for _ in range(8)])
+    model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    data = torch.Generator().manual_seed(engine.rank)
+    for _ in range(6):
+        x, y = torch.randn(8, 384, generator=data), torch.randn(8, 384, generator=data)
+        engine.train_step((x, y), torch.nn.functional.mse_loss)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    engine.strategy.close()  # the process group stays for the next run
+    return finite
+
+
 def four_rank_runs(directory: str) -> dict[str, Any]:
     """Every multi-process run of this file, in one job of 4 ranks:
 
@@ -69,11 +86,12 @@ def four_rank_runs(directory: str) -> dict[str, Any]:
     - "resume": 6 steps of `POWERSGD`, uninterrupted and as 4 + 2 through a consolidated
       checkpoint in `directory` (steps 3 and 4 leave error feedback and warm-start Qs);
       "resume_sharded": the 4 + 2 through a sharded one;
-    - "restart": what the main rank printed loading that checkpoint at PowerSGD rank 4.
+    - "restart": what the main rank printed loading that checkpoint at PowerSGD rank 4;
+    - "several_buckets": `several_buckets()`.
     """
     from dtrain.parallel import compression
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"several_buckets": several_buckets()}
     cast = [{**variant, "steps": STEPS} for variant, _ in CAST_VARIANTS]
     out["cast"] = [train(close=False, **variant) for variant in cast]
     whole = train(steps=6, close=False, **POWERSGD)
@@ -139,6 +157,11 @@ def test_powersgd_at_full_rank_trains_as_ddp(runs: tuple[dict[str, Any], Path]) 
     assert_close(results["full"], results["plain"], **CLOSE)
     low, plain = results["low"], results["plain"]
     assert max(float((low[k] - plain[k]).abs().max()) for k in plain) > 1e-3
+
+
+@pytest.mark.timeout(300)
+def test_powersgd_runs_a_model_of_several_buckets(runs: tuple[dict[str, Any], Path]) -> None:
+    assert runs[0]["several_buckets"]
 
 
 @pytest.mark.timeout(300)

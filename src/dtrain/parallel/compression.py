@@ -132,6 +132,8 @@ class PowerSGD:
         """Warm-start Q by compressed parameter (flat), not yet back in a bucket."""
         self._seen: dict[int, int] = {}
         """The step (torch's `iter`) in which each bucket's hook last ran."""
+        self.pending: torch.futures.Future[torch.Tensor] | None = None
+        """The future of the last bucket `powersgd_hook` started."""
 
     # -- the hook's side --------------------------------------------------------------------
     def prepare(self, bucket: dist.GradBucket) -> None:
@@ -280,9 +282,21 @@ class PowerSGD:
 
 def powersgd_hook(state: PowerSGD, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: torch's `powerSGD_hook`, with the state filed by parameter
-    put back into `bucket` first (`PowerSGD.prepare`)."""
+    put back into `bucket` first (`PowerSGD.prepare`), issued once the bucket before it is
+    done.
+
+    torch's hook issues a bucket's P and Q all-reduces from its futures' callbacks, which
+    gloo runs on its own threads when the work before them ends: a rank could issue the
+    next bucket's first all-reduce before this one's Q, another rank after it, and the
+    group would mismatch (gloo: "Received data size doesn't match expected size") on any
+    model of more than one bucket. Waiting here for the previous bucket's whole chain keeps
+    every rank issuing them in bucket order, as DDP calls the hook. (NCCL's futures run
+    their callbacks as the work is queued, so there the wait costs nothing.)"""
     state.prepare(bucket)
-    return powerSGD_hook(state.torch_state, bucket)
+    if state.pending is not None:
+        state.pending.wait()
+    state.pending = powerSGD_hook(state.torch_state, bucket)
+    return state.pending
 
 
 def _split(flat: torch.Tensor | None, lengths: list[int]) -> list[torch.Tensor]:
