@@ -45,9 +45,8 @@ from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.names import canonical_state_dict
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
-from dtrain.errors import ConfigError
 from dtrain.parallel.broadcast import broadcast_model
-from dtrain.strategies.base import Strategy, register
+from dtrain.strategies.base import Strategy
 from dtrain.topology import Topology
 
 DEFAULT_SYNC_EVERY = 8
@@ -58,14 +57,8 @@ OUTER_DEFAULTS = {"sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
 for nesterov; for sgd those that make a sync plain averaging."""
 
 
-@register
 class LocalSGD(Strategy):
     """Whole replicas, one per process, synced every `sync_every` optimizer steps."""
-
-    name = "local-sgd"
-    multiprocess = True
-    state_by_module = False  # both checkpoint formats save the replicas' mean (`full_state`)
-    order = 25
 
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
@@ -82,16 +75,10 @@ class LocalSGD(Strategy):
         """DiLoCo: the model of the last sync, which the outer optimizer steps."""
         self._outer: torch.optim.SGD | None = None
 
-    @classmethod
-    def check_options(cls, config: Config) -> None:
-        if config.sync_batchnorm:
-            raise ConfigError(
-                "--sync-batchnorm makes every forward wait for the other replicas' batch "
-                "statistics, which --strategy local-sgd's replicas do not exchange between "
-                "syncs (their running statistics are averaged at each sync); drop it, or use "
-                "--strategy ddp."
-            )
-        super().check_options(config)
+    @property
+    def state_by_module(self) -> bool:
+        """Both checkpoint formats save the replicas' mean (`full_state`)."""
+        return False
 
     @property
     def layout_text(self) -> str | None:

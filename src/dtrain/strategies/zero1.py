@@ -15,19 +15,23 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError, SetupError
-from dtrain.strategies.base import Strategy, register
-from dtrain.strategies.ddp import DDP
+from dtrain.strategies.base import Strategy
+from dtrain.strategies.mesh import MeshStrategy
 from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
 
 
-@register
-class Zero1(DDP):
-    """Optimizer state sharded over the data-parallel ranks."""
+class Zero1(MeshStrategy):
+    """DDP's replicas, optimizer state sharded over the data-parallel ranks."""
 
-    name = "zero1"
-    state_by_module = False
-    order = 30
-    splits_model = True  # type: ignore[assignment]
+    @property
+    def splits_model(self) -> bool:
+        """Each rank's optimizer holds the state of its shard of the parameters."""
+        return True
+
+    @property
+    def state_by_module(self) -> bool:
+        """ZeroRedundancyOptimizer's state is not a torch optimizer's over `unwrap()`."""
+        return False
 
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
