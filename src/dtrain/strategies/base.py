@@ -17,8 +17,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dtrain.batches import LossFn, forward_loss
-from dtrain.checkpoint.format import load_model, model_tensors
-from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.observe.breakdown import StepTimer
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -27,13 +25,15 @@ from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.materialize import DeferredInit
 from dtrain.precision import LossScaling, compute_dtype
 from dtrain.strategies.specs import lookup
+from dtrain.strategies.state import CheckpointState
 from dtrain.topology import Topology
 
 
-class Strategy:
+class Strategy(CheckpointState):
     """What a strategy does in a training process: wrap the model, run a step's forward and
-    backward, synchronise gradients, hand out the model's state. This base class is
-    `single` (one device per process, no wrapping); subclasses override what differs.
+    backward, synchronise gradients; its state for checkpoints is the part it inherits
+    (:class:`CheckpointState`). This base class is `single` (one device per process, no
+    wrapping); subclasses override what differs.
 
     What is known before any process starts (names, the process layout, the options
     refused) is the strategy's spec, `self.spec` (strategies/specs.py).
@@ -67,14 +67,6 @@ class Strategy:
         """True if the model's forward is a collective over the data-parallel ranks (sharded
         parameters gathered), so every one of them must run as many forwards."""
         return False
-
-    @property
-    def state_by_module(self) -> bool:
-        """True if the optimizer the loop steps is a torch optimizer over `unwrap()`'s
-        parameters, so torch.distributed.checkpoint's state_dict helpers read this rank's
-        part directly (sharded checkpoints); False sends sharded checkpoints through
-        `full_state`."""
-        return True
 
     @property
     def dp_size(self) -> int:
@@ -151,11 +143,6 @@ class Strategy:
             compile_model(self.model, c.blocks, c.compile_backend)
         return self.model, optimizer
 
-    @property
-    def model_class(self) -> str:
-        """The class name of the user's model (recorded in checkpoint manifests)."""
-        return type(self.unwrap()).__name__
-
     def unwrap(self) -> nn.Module:
         """The user's module, whose state_dict has canonical parameter names."""
         assert self.model is not None
@@ -217,50 +204,6 @@ class Strategy:
         """Groups whose ranks hold gradients of different parameters, not expressed as
         DTensor placements (pipeline stages): the norm's squares are summed over them."""
         return ()
-
-    def full_state(
-        self, optimizer: Optimizer | None
-    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
-        """The whole model (canonical names, CPU) and name-keyed optimizer state.
-
-        Called on every rank (sharded strategies gather); returns the states on the main
-        rank and (None, None) elsewhere.
-        """
-        if not self.topology.is_main:
-            return None, None
-        module = self.unwrap()
-        return model_tensors(module), state_by_name(optimizer, module) if optimizer else None
-
-    def load_full_state(
-        self,
-        tensors: dict[str, torch.Tensor],
-        optimizer: Optimizer | None,
-        optimizer_state: dict[str, Any] | None,
-        strict: bool,
-    ) -> list[str]:
-        """Load whole tensors and name-keyed optimizer state (every rank passes them).
-
-        Returns the names skipped with strict=False.
-        """
-        module = self.unwrap()
-        skipped = load_model(module, tensors, strict)
-        if optimizer is not None and optimizer_state is not None:
-            loaded = {n for n, _ in module.named_parameters()} - set(skipped)
-            load_by_name(optimizer, module, optimizer_state, loaded if skipped else None)
-        return skipped
-
-    def replica_state(self, optimizer: Optimizer | None) -> dict[str, Any] | None:
-        """What this rank trains apart from the model and optimizer state `full_state`
-        saves (replicas that differ between syncs: local-sgd), for the trainer state of a
-        checkpoint; None, alike on every rank: nothing."""
-        return None
-
-    def load_replica_state(
-        self, mine: dict[str, Any], first: dict[str, Any], optimizer: Optimizer | None
-    ) -> None:
-        """After a checkpoint's model and optimizer state are loaded, restore this rank's
-        `replica_state` (`mine`) as saved by a job of as many ranks; `first` is the first
-        rank's."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -15,9 +15,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError, SetupError
-from dtrain.strategies.base import Strategy
 from dtrain.strategies.mesh import MeshStrategy
 from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
+from dtrain.strategies.state import CheckpointState
 
 
 class Zero1(MeshStrategy):
@@ -67,7 +67,7 @@ class Zero1(MeshStrategy):
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
         # Rank 0 alone holds the consolidated state: skip the mesh's every-rank gathering.
-        return Strategy.full_state(self, optimizer)
+        return CheckpointState.full_state(self, optimizer)
 
     def load_full_state(
         self,
@@ -82,7 +82,7 @@ class Zero1(MeshStrategy):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         groups = optimizer.param_groups if optimizer is not None else []
-        skipped = Strategy.load_full_state(self, tensors, optimizer, optimizer_state, strict)
+        skipped = CheckpointState.load_full_state(self, tensors, optimizer, optimizer_state, strict)
         if isinstance(optimizer, ZeroRedundancyOptimizer) and optimizer.param_groups is not groups:
             # Loading put new group dicts in place of the user's; the user's take the
             # loaded settings and go back in, so a scheduler on the user's optimizer still
