@@ -36,8 +36,8 @@ from torch import nn
 import dtrain
 from dtrain.config import Config
 from dtrain.models import build
-from dtrain.strategies import lookup
 from dtrain.strategies.ps import serving
+from dtrain.strategies.specs import lookup
 from dtrain.topology import init_process_group
 
 

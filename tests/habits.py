@@ -25,7 +25,8 @@ from torch import nn
 import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
-from dtrain.strategies.ps import ParameterServer, serving
+from dtrain.strategies.ps import serving
+from dtrain.strategies.specs import lookup
 from dtrain.topology import init_process_group
 
 VOCAB, DIM, CONTEXT, BATCH, STEPS = 32, 16, 4, 12, 4
@@ -304,7 +305,7 @@ def run_ps_habits(names: list[str], workers: int, servers: int) -> Any:
     "server"."""
     options = {"nproc": workers, "servers": servers}
     config = Config(strategy="ps", **options)
-    if ParameterServer.role_main(config, int(os.environ["RANK"])) is None:
+    if lookup("ps").role_main(config, int(os.environ["RANK"])) is None:
         return run_habits("ps", names, options)
     init_process_group(serving.topology(config, server=True), config.timeout_s)
     for _ in names:

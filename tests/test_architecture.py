@@ -53,6 +53,9 @@ LAYERS: list[tuple[str, set[str]]] = [
 ]  # fmt: skip
 
 PRODUCTS = {"horovod/", "plan/", "keras/", "bench/"}
+# What runs before any process starts reaches a strategy only through its spec.
+LAUNCH_SIDE = {"launch/", "cli.py", "bench/", "plan/"}
+SPECS = "dtrain.strategies.specs"
 LEAVES = LAYERS[0][1]
 LOOP = {"evaluation.py", "feeding.py", "checkpointing.py", "engine.py", "start.py"}
 
@@ -233,3 +236,57 @@ def test_units_import_each_other_in_one_direction_only():
     assert not cycles, "Units that import each other (directly or through others): " + ", ".join(
         cycles
     )
+
+
+def test_the_launch_side_imports_only_the_strategy_specs():
+    runtime = [
+        f"{where}: {source} reaches a strategy only through {SPECS} (its runtime class "
+        "imports DDP, FSDP, DTensor or pipelining, which the launcher never needs)"
+        for source, target, where in arrows()
+        if source in LAUNCH_SIDE
+        and target == "strategies/"
+        and not f"{where}.".split(" imports ")[1].startswith(f"{SPECS}.")
+    ]
+    assert not runtime, "\n".join(runtime)
+
+
+def _file_of(module: str) -> Path | None:
+    """The source file of dotted `module` under dtrain, if it is a module (not a name)."""
+    path = SOURCE.joinpath(*module.split(".")[1:])
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _module_level(path: Path) -> list[str]:
+    """Modules that `path` imports when it is imported (its top-level statements)."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return found
+
+
+def test_the_strategy_specs_import_no_torch():
+    """Importing the specs runs only modules that import no torch at module level (a
+    package's __init__.py included), so the launcher's checks cost no torch import."""
+    seen: set[str] = set()
+    todo = [SPECS]
+    heavy = []
+    while todo:
+        parts = todo.pop().split(".")
+        for module in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
+            path = _file_of(module)
+            if module in seen or path is None:
+                continue
+            seen.add(module)
+            for imported_name in _module_level(path):
+                if imported_name.split(".")[0] == "torch":
+                    heavy.append(f"{path.relative_to(SOURCE)} imports {imported_name}")
+                elif imported_name.startswith("dtrain."):
+                    todo.append(imported_name)
+    assert "dtrain.parallel.degrees" in seen and "dtrain.strategies.base" not in seen
+    assert not heavy, "Importing the strategy specs imports torch: " + ", ".join(heavy)

@@ -90,7 +90,7 @@ def test_a_bound_that_is_not_positive_is_refused() -> None:
 
 
 def test_hsdp_shard_groups_must_divide_the_processes() -> None:
-    from dtrain.strategies import lookup
+    from dtrain.strategies.specs import lookup
 
     hsdp = lookup("hsdp")
     assert hsdp.layout(dtrain.Config(strategy="hsdp", nproc=2, nnodes=2, master="h:1"), 4).dp == 4

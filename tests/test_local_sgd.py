@@ -28,7 +28,7 @@ from torch.testing import assert_close
 import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.strategies.local_sgd import LocalSGD
+from dtrain.strategies.specs import lookup
 
 GLOBAL_BATCH = 12  # divides over 2 and 3 replicas, and 2 replicas' shares into 2 micro-batches
 
@@ -327,4 +327,4 @@ def test_refused_options(options: dict[str, Any], message: str) -> None:
 
 def test_sync_batchnorm_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="local-sgd's replicas do not exchange"):
-        LocalSGD.check_options(Config(strategy="local-sgd", sync_batchnorm=True))
+        lookup("local-sgd").check_options(Config(strategy="local-sgd", sync_batchnorm=True))

@@ -13,11 +13,10 @@ from torch import nn
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, SIZES, GPTConfig
-from dtrain.parallel.degrees import Degrees, degrees_for
-from dtrain.parallel.pipeline import check_schedule
+from dtrain.parallel.degrees import Degrees, check_schedule, degrees_for
 from dtrain.parallel.split import Stage, layers_of, partition, split_layers
 from dtrain.parallel.tensor_plan import plan_of
-from dtrain.strategies.model_parallel import Hybrid, PipelineParallel, TensorParallel
+from dtrain.strategies.specs import lookup
 
 
 def test_partition_minimises_the_largest_stage() -> None:
@@ -104,20 +103,20 @@ def test_schedules_refuse_micro_batch_counts_they_cannot_run() -> None:
         check_schedule("interleaved", 5, 2)
     check_schedule("gpipe", 1, 4)  # the naive split
     with pytest.raises(ConfigError, match="raise --microbatches"):
-        PipelineParallel.layout(Config(strategy="pipeline", grad_accumulation=2), 2)
+        lookup("pipeline").layout(Config(strategy="pipeline", grad_accumulation=2), 2)
     with pytest.raises(ConfigError, match="has one stage .*; add --pp"):
-        Hybrid.layout(Config(strategy="hybrid", microbatches=4), 2)
+        lookup("hybrid").layout(Config(strategy="hybrid", microbatches=4), 2)
     with pytest.raises(ConfigError, match="add --strategy hybrid with --pp"):
-        TensorParallel.layout(Config(strategy="tensor", schedule="gpipe"), 2)
+        lookup("tensor").layout(Config(strategy="tensor", schedule="gpipe"), 2)
     with pytest.raises(ConfigError, match="--dp-mode zero3 shards over data-parallel replicas"):
-        PipelineParallel.layout(Config(strategy="pipeline", dp_mode="zero3"), 2)
+        lookup("pipeline").layout(Config(strategy="pipeline", dp_mode="zero3"), 2)
 
 
 def test_the_demo_checks_batches_against_replicas_and_micro_batches() -> None:
     gpipe = Config(strategy="pipeline", nproc=3, schedule="gpipe", microbatches=4)
-    assert PipelineParallel.batch_layout(gpipe) == (1, 4)
-    assert Hybrid.batch_layout(Config(strategy="hybrid", nproc=4, pp=2)) == (2, 4)
-    assert TensorParallel.batch_layout(Config(strategy="tensor", nproc=2)) == (1, 1)
+    assert lookup("pipeline").batch_layout(gpipe) == (1, 4)
+    assert lookup("hybrid").batch_layout(Config(strategy="hybrid", nproc=4, pp=2)) == (2, 4)
+    assert lookup("tensor").batch_layout(Config(strategy="tensor", nproc=2)) == (1, 1)
     with pytest.raises(ConfigError, match="Unknown --schedule 'zb'"):
         Config(strategy="pipeline", schedule="zb")
     with pytest.raises(ConfigError, match="only --schedule interleaved runs"):

@@ -19,7 +19,7 @@ from torch.testing import assert_close
 from training import train
 
 from dtrain.config import Config
-from dtrain.strategies.ps import ParameterServer
+from dtrain.strategies.specs import lookup
 
 SERVER = "server"
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
@@ -33,7 +33,7 @@ def ps_config(options: dict[str, Any]) -> Config:
 def ps_rank(worker: Callable[[], Any], options: dict[str, Any]) -> Any:
     """`worker()` on a worker rank; on a server rank, what the launcher runs there
     (`role_main`), returning SERVER once it has ended normally."""
-    role = ParameterServer.role_main(ps_config(options), int(os.environ["RANK"]))
+    role = lookup("ps").role_main(ps_config(options), int(os.environ["RANK"]))
     if role is None:
         return worker()
     role()

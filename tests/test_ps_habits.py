@@ -24,8 +24,9 @@ from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 
 import dtrain
-from dtrain.strategies.ps import ParameterServer, serving
+from dtrain.strategies.ps import serving
 from dtrain.strategies.ps.client import CHANGED_GRADIENT
+from dtrain.strategies.specs import lookup
 from dtrain.topology import init_process_group
 
 STEPS = 5
@@ -164,7 +165,7 @@ def ps_job(names: list[str], workers: int, servers: int) -> Any:
     outcome per run, a server serves every run and returns SERVER."""
     options = {"nproc": workers, "servers": servers}
     config = ps_config(options)
-    if ParameterServer.role_main(config, int(os.environ["RANK"])) is None:
+    if lookup("ps").role_main(config, int(os.environ["RANK"])) is None:
         last = len(names) - 1
         return [train(name, i == last, strategy="ps", **options) for i, name in enumerate(names)]
     init_process_group(serving.topology(config, server=True), config.timeout_s)

@@ -17,17 +17,18 @@ from training import train
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.strategies.ps.roles import Roles
-from dtrain.strategies.ps.strategy import ParameterServer
+from dtrain.strategies.specs import lookup
 
 
 def test_servers_are_spread_over_the_machines_and_must_divide_evenly() -> None:
     """Ranks go node by node; each node's last ranks serve. One node keeps the old layout."""
     two = Config(strategy="ps", nproc=2, servers=4, nnodes=2, master="h1:1")
     roles = Roles.of(two)
-    assert ParameterServer.processes_per_node(two) == 4
+    ps = lookup("ps")
+    assert ps.processes_per_node(two) == 4
     assert (roles.worker_ranks, roles.server_ranks) == ([0, 1, 4, 5], [2, 3, 6, 7])
     assert [roles.index(r) for r in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
-    assert [ParameterServer.role_of(two, r) for r in (1, 2, 4, 7)] == [
+    assert [ps.role_of(two, r) for r in (1, 2, 4, 7)] == [
         "worker 1",
         "server 0",
         "worker 2",
@@ -37,10 +38,10 @@ def test_servers_are_spread_over_the_machines_and_must_divide_evenly() -> None:
     assert (one.worker_ranks, one.server_ranks) == ([0, 1, 2], [3, 4])
     uneven = Config(strategy="ps", nproc=1, servers=3, nnodes=2, master="h1:1")
     with pytest.raises(ConfigError, match="--servers 3 cannot be spread evenly over --nnodes 2"):
-        ParameterServer.check_launch(uneven)
+        ps.check_launch(uneven)
     elastic = Config(strategy="ps", servers=2, nnodes=2, min_nnodes=1, master="h1:1")
     with pytest.raises(ConfigError, match="cannot run elastic"):
-        ParameterServer.check_launch(elastic)
+        ps.check_launch(elastic)
 
 
 WHY_NOT = cluster.unavailable()

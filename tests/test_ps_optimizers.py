@@ -23,7 +23,8 @@ from training import GLOBAL_BATCH
 import dtrain
 from dtrain.datasets import load_digits
 from dtrain.models.digits import DigitsMLP
-from dtrain.strategies.ps import ParameterServer, serving
+from dtrain.strategies.ps import serving
+from dtrain.strategies.specs import lookup
 from dtrain.topology import init_process_group
 
 STEPS = 5
@@ -78,7 +79,7 @@ def ps_runs(
     returns SERVER."""
     options = {"nproc": workers, "servers": servers, **(extra or {})}
     config = ps_config(options)
-    if ParameterServer.role_main(config, int(os.environ["RANK"])) is None:
+    if lookup("ps").role_main(config, int(os.environ["RANK"])) is None:
         last = len(names) - 1
         return [
             train_with(name, close=i == last, strategy="ps", **options)
@@ -131,6 +132,6 @@ def test_ps_clips_as_single_clips(workers: int, servers: int, extra: dict[str, A
 
 def test_ps_refuses_clipping_with_backup_workers() -> None:
     with pytest.raises(dtrain.ConfigError, match="with --backup-workers is not supported"):
-        ParameterServer.check_options(
+        lookup("ps").check_options(
             ps_config({"nproc": 3, "backup_workers": 1, "clip_grad_norm": 1.0})
         )

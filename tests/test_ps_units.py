@@ -13,10 +13,12 @@ import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models import MODELS, build
-from dtrain.strategies.ps import ParameterServer, protocol, sharding, state
+from dtrain.strategies.ps import protocol, sharding, state
 from dtrain.strategies.ps.optimizer import GroupSettings, check_optimizer
 from dtrain.strategies.ps.storage import FlatParameters
+from dtrain.strategies.ps.strategy import ParameterServer
 from dtrain.strategies.rebuild import hyperparameters
+from dtrain.strategies.specs import lookup
 from dtrain.topology import Topology
 
 
@@ -193,8 +195,8 @@ def test_only_sync_rounds_without_backups_read_losses_collectively(
 
 def test_workers_run_the_script_and_servers_their_role() -> None:
     config = Config(strategy="ps", nproc=2, servers=1)
-    assert ParameterServer.role_main(config, 1) is None
-    assert callable(ParameterServer.role_main(config, 2))
+    assert lookup("ps").role_main(config, 1) is None
+    assert callable(lookup("ps").role_main(config, 2))
 
 
 def test_the_command_line_refuses_zero_servers(tmp_path: Path) -> None:

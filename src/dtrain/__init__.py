@@ -29,14 +29,14 @@ if TYPE_CHECKING:
     from dtrain.launch.notebook import launch
     from dtrain.shard_files import ShardFiles, write_shards
     from dtrain.start import init
-    from dtrain.strategies import available as available_strategies
+    from dtrain.strategies.specs import available as available_strategies
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": ("dtrain.engine", "Engine"),
     "ShardFiles": ("dtrain.shard_files", "ShardFiles"),
-    "available_strategies": ("dtrain.strategies", "available"),
+    "available_strategies": ("dtrain.strategies.specs", "available"),
     "init": ("dtrain.start", "init"),
     "launch": ("dtrain.launch.notebook", "launch"),
     "write_shards": ("dtrain.shard_files", "write_shards"),

@@ -38,7 +38,7 @@ from dtrain.observe.logs import LOGGER
 from dtrain.parallel.compression import powersgd_of
 from dtrain.position import Position
 from dtrain.precision import LossScaling
-from dtrain.strategies import Strategy
+from dtrain.strategies.base import Strategy
 
 POWERSGD_KEY = "powersgd_per_rank"
 """The trainer file's list of every rank's PowerSGD state (`dtrain.parallel.compression`)."""

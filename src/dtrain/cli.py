@@ -209,7 +209,7 @@ def _check_demo(config: Config, args: argparse.Namespace) -> None:
     from dtrain import demo_checks
     from dtrain.batches import check_batch
     from dtrain.launch.hosts import as_nodes, hosts_of
-    from dtrain.strategies import lookup
+    from dtrain.strategies.specs import lookup
 
     hosts = hosts_of(config)
     if hosts is not None:

@@ -42,7 +42,7 @@ from dtrain.parallel import materialize
 from dtrain.position import Position
 from dtrain.precision import LossScaling
 from dtrain.rng import drawn_seed
-from dtrain.strategies import Strategy
+from dtrain.strategies.base import Strategy
 from dtrain.streams import is_stream
 from dtrain.teardown import close_at_exit, forget
 from dtrain.topology import Topology
@@ -92,7 +92,7 @@ class Engine:
         self.loss_scaling: LossScaling | None = None
         """fp16-mixed's loss scale and its count of skipped steps (None otherwise)."""
         if config.precision == "fp16-mixed":
-            distributed = strategy.multiprocess and dist.is_initialized()
+            distributed = strategy.spec.multiprocess and dist.is_initialized()
             scaling = LossScaling(strategy.input_device, strategy.train_group, distributed)
             self.loss_scaling = strategy.loss_scaling = self.checkpoints.loss_scaling = scaling
         self._empty_rng: torch.Tensor | None = None
@@ -216,7 +216,7 @@ class Engine:
             self.strategy.unwrap(),
             optimizer,
             self.strategy.train_group,
-            self.strategy.exchange_in_step,
+            self.strategy.spec.exchange_in_step,
             lambda: self._stepping,
         )
         layout = self.strategy.layout_text
@@ -518,7 +518,7 @@ class Engine:
             if self.strategy.collective_forward
             else 0,
         )
-        if self.strategy.multiprocess and dist.is_initialized():
+        if self.strategy.spec.multiprocess and dist.is_initialized():
             dist.all_reduce(totals, group=self.strategy.dp_group)
         loss_sum, correct, count = totals.tolist()
         result = {"samples": count}
@@ -582,7 +582,7 @@ class Engine:
 
     def all_reduce_mean(self, value: float) -> float:
         """The mean of `value` over the data-parallel processes."""
-        if not (self.strategy.multiprocess and dist.is_initialized()):
+        if not (self.strategy.spec.multiprocess and dist.is_initialized()):
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.topology.device)
         dist.all_reduce(t, group=self.strategy.dp_group)

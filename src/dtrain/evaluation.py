@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.batches import LossFn, batch_loss, batch_size, call_model, has_own_loss, is_pair
-from dtrain.strategies import Strategy
+from dtrain.strategies.base import Strategy
 
 
 @torch.no_grad()

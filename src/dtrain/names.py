@@ -26,7 +26,7 @@ STRATEGIES = (
     "tensor",
     "hybrid",
 )
-"""`--strategy` names in listing order, simplest first (`strategies.available()`)."""
+"""`--strategy` names in listing order, simplest first (`strategies.specs.available()`)."""
 STRATEGY_ALIASES = {"fsdp": "zero3"}
 """Other accepted `--strategy` names, and the strategy each one names."""
 

@@ -11,7 +11,7 @@ from dtrain.config import Config
 from dtrain.engine import Engine
 from dtrain.errors import ConfigError
 from dtrain.rng import initial_seeds, settle_seed
-from dtrain.strategies import Strategy, lookup
+from dtrain.strategies.specs import StrategySpec, lookup
 from dtrain.topology import init_process_group
 
 
@@ -38,12 +38,12 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
     if strategy is not None:
         options["strategy"] = strategy
     config = config.replace(**options)
-    strategy_cls = lookup(config.strategy)
-    strategy_cls.check_options(config)
-    topology = strategy_cls.detect_topology(config)
-    if topology.world_size > 1 and not strategy_cls.multiprocess:
+    spec = lookup(config.strategy)
+    spec.check_options(config)
+    topology = spec.detect_topology(config)
+    if topology.world_size > 1 and not spec.multiprocess:
         raise ConfigError(
-            f"Strategy '{strategy_cls.name}' runs in one process, but this job has "
+            f"Strategy '{spec.name}' runs in one process, but this job has "
             f"{topology.world_size} processes; launch it with --nproc 1, or choose a "
             "multi-process strategy such as ddp."
         )
@@ -57,21 +57,21 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
             f"{torch.cuda.get_device_name()} has none. Use --precision fp16-mixed (fp16 "
             "compute with loss scaling) or fp32."
         )
-    if strategy_cls.multiprocess:
+    if spec.multiprocess:
         init_process_group(topology, config.timeout_s)
-    settle_seed(config.seed, _training_seeds(strategy_cls, config), topology.is_main)
-    return Engine(config, topology, strategy_cls(config, topology))
+    settle_seed(config.seed, _training_seeds(spec, config), topology.is_main)
+    return Engine(config, topology, spec.runtime()(config, topology))
 
 
-def _training_seeds(strategy_cls: type[Strategy], config: Config) -> list[int]:
+def _training_seeds(spec: StrategySpec, config: Config) -> list[int]:
     """`torch.initial_seed()` of every rank that runs the script, in rank order.
 
     Every process of a multi-process job takes part in the gather, even with a seed given:
     parameter servers, which never see the script's `dtrain.init` arguments, always join
     it; their own seeds are left out of the comparison.
     """
-    seeds = initial_seeds(everyone=strategy_cls.multiprocess)
-    return [s for rank, s in enumerate(seeds) if strategy_cls.role_main(config, rank) is None]
+    seeds = initial_seeds(everyone=spec.multiprocess)
+    return [s for rank, s in enumerate(seeds) if spec.role_main(config, rank) is None]
 
 
 def _outside_dtrain_run() -> Config:

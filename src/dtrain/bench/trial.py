@@ -88,21 +88,21 @@ class Workload:
         this model's global batch), as the launcher would before starting anything."""
         from dtrain.config import Config
         from dtrain.launch.hosts import as_nodes, hosts_of
-        from dtrain.strategies import lookup
+        from dtrain.strategies.specs import lookup
 
         config = Config(strategy=strategy, nproc=nproc, hosts=self._host_slots(nproc))
         machines = hosts_of(config)
         if machines is not None:
             config = as_nodes(config, machines)
-        cls = lookup(config.strategy)
-        cls.check_launch(config)
-        cls.check_options(config)
+        spec = lookup(config.strategy)
+        spec.check_launch(config)
+        spec.check_options(config)
         if self.model is None:
             return
         from dtrain.batches import check_batch
         from dtrain.tasks import TASKS
 
-        dp_size, splits = cls.batch_layout(config)
+        dp_size, splits = spec.batch_layout(config)
         batch = self.global_batch_size or TASKS[self.model].global_batch_size
         check_batch(batch, dp_size, splits, config.grad_accumulation)
 

@@ -40,7 +40,7 @@ from dtrain.errors import CheckpointError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dtrain.strategies import Strategy
+    from dtrain.strategies.base import Strategy
 
 
 @dataclass

@@ -48,7 +48,7 @@ from dtrain.collectives import gather_objects
 from dtrain.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from dtrain.strategies import Strategy
+    from dtrain.strategies.base import Strategy
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -101,7 +101,7 @@ def distribute(model: Any, engine: Engine) -> Any:
             f"{engine.device}; build the model after dtrain.init(), which makes this "
             "process's GPU the default one."
         )
-    if not engine.strategy.multiprocess:
+    if not engine.strategy.spec.multiprocess:
         return model
     return DistributedModel(model, apply_ddp(model, engine.strategy.dp_group, engine.device))
 

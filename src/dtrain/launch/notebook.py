@@ -22,7 +22,7 @@ from dtrain.advice import COMMAND_VAR, LAUNCH
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, LaunchError
 from dtrain.launch.forked import Child, end, fork_rank, watch
-from dtrain.strategies import lookup
+from dtrain.strategies.specs import lookup
 
 _OK, _ERROR = b"o", b"e"
 """The first byte of what a rank sends back: a pickled result, or (message, traceback)."""
@@ -84,14 +84,14 @@ def launch(
     from dtrain.launch.runner import _threads_per_worker, free_port
 
     config = _config(strategy, nproc, options)
-    strategy_cls = lookup(config.strategy)
-    strategy_cls.check_launch(config)
-    strategy_cls.check_options(config)
+    spec = lookup(config.strategy)
+    spec.check_launch(config)
+    spec.check_options(config)
     _check_here(config, timeout)
     # GPU checks (enough GPUs for nproc, GPU-only options) happen in each rank's
     # dtrain.init: probing the GPUs here would initialise CUDA before the fork.
-    world = strategy_cls.processes_per_node(config)
-    roles = [strategy_cls.role_main(config, rank) for rank in range(world)]
+    world = spec.processes_per_node(config)
+    roles = [spec.role_main(config, rank) for rank in range(world)]
     threads, port = _threads_per_worker(world), free_port()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # this process's own output comes before the ranks'

@@ -52,7 +52,7 @@ from dtrain.launch.stacks import (
     stopped_workers_continued,
 )
 from dtrain.launch.watch import rendezvous_host_watched
-from dtrain.strategies import lookup
+from dtrain.strategies.specs import lookup
 from dtrain.topology import mask_devices, use_gpus
 
 
@@ -100,14 +100,14 @@ def launch(config: Config, target: Target, min_hosts: int | None = None) -> None
         target.check()
         launch_over_ssh(config, target, hosts, min_hosts)
         return
-    strategy = lookup(config.strategy)
-    strategy.check_launch(config)
-    strategy.check_options(config)
+    spec = lookup(config.strategy)
+    spec.check_launch(config)
+    spec.check_options(config)
     target.check()
     mask_devices(config.devices)
     check_devices(config)
     os.environ[ENV_VAR] = config.to_json()
-    nproc = strategy.processes_per_node(config)
+    nproc = spec.processes_per_node(config)
     if nproc == 1 and config.nnodes == 1 and config.max_restarts == 0:
         _run_here(target)
     else:

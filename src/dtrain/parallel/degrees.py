@@ -1,25 +1,19 @@
-"""The degrees of data, pipeline and tensor parallelism, and the named DeviceMesh over them.
+"""The degrees of data, pipeline and tensor parallelism, and the pipeline's shape: arithmetic.
 
 One :class:`Degrees` says how many ways the job is split along each dimension: data
 parallel as replicas (ddp, ``dp_replicate``) times shards (zero2/zero3, ``dp_shard``),
 pipeline stages (``pp``) and tensor shards (``tp``). Every mesh strategy is a preset over
-it; it is validated once (the product is the world size) and builds one named mesh.
-
-Ranks are laid out pp-major, tp-minor (as torchtitan does): the tp ranks of a stage are
-neighbours (same machine, fastest links), the dp replicas and shards of a stage come
-next, and the pipeline stages are furthest apart (they exchange only activations).
+it; it is validated once (the product is the world size), before any process starts (the
+launcher checks a layout with it, so this module imports no torch); `parallel/mesh.py`
+builds the named DeviceMesh over it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
+from dtrain.config import Config
 from dtrain.errors import ConfigError
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -79,70 +73,6 @@ class Degrees:
             dp += f" (replicate {self.dp_replicate} x shard {self.dp_shard})"
         return f"{dp} x pp{self.pp} x tp{self.tp}"
 
-    def mesh(self, device_type: str) -> ParallelMesh:
-        """The named mesh over every rank (a collective: every rank must call it)."""
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        return ParallelMesh(self, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS))
-
-
-class ParallelMesh:
-    """The named 4-D DeviceMesh of a :class:`Degrees`, with the data-parallel view (the
-    replicate and shard dimensions together) that batches are sharded over."""
-
-    def __init__(self, degrees: Degrees, mesh: DeviceMesh) -> None:
-        self.degrees = degrees
-        self.device_mesh = mesh
-        self._dp_group = self._data_parallel_group()
-
-    def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
-        return self.device_mesh[dims]
-
-    def local_rank(self, dim: str) -> int:
-        """This rank's coordinate along `dim`."""
-        return self.device_mesh.get_local_rank(dim)
-
-    def group(self, dim: str) -> dist.ProcessGroup:
-        """The process group along `dim`."""
-        return self.device_mesh.get_group(dim)
-
-    def rank_at(self, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 0) -> int:
-        """The global rank at these coordinates."""
-        return int(self.device_mesh.mesh[pp, dp_replicate, dp_shard, tp])
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (replica-major)."""
-        return self.local_rank("dp_replicate") * self.degrees.dp_shard + self.local_rank("dp_shard")
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        """Every data-parallel rank of this rank's (stage, tp shard): the batch's readers."""
-        return self._dp_group
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards over: 1-D (shard), or 2-D (replicate, shard) for HSDP."""
-        d = self.degrees
-        if d.dp_replicate > 1 and d.dp_shard > 1:
-            return self.device_mesh["dp_replicate", "dp_shard"]
-        return self.device_mesh["dp_shard" if d.dp_shard > 1 else "dp_replicate"]
-
-    def _data_parallel_group(self) -> dist.ProcessGroup:
-        d = self.degrees
-        if d.dp_replicate == 1 or d.dp_shard == 1:
-            return self.group("dp_shard" if d.dp_shard > 1 else "dp_replicate")
-        # Both dimensions: one group per (stage, tp shard) over their product. Every rank
-        # takes part in creating every group, as new_group requires.
-        ranks = self.device_mesh.mesh.permute(0, 3, 1, 2).reshape(-1, d.dp).tolist()
-        me = dist.get_rank()
-        mine = None
-        for members in ranks:
-            group = dist.new_group(members)
-            if me in members:
-                mine = group
-        assert mine is not None
-        return mine
-
 
 def degrees_for(
     strategy: str, nproc: int, dp: int | None, pp: int | None, tp: int | None, dp_mode: str = "ddp"
@@ -193,3 +123,26 @@ def _only(strategy: str, allowed: str, others: dict[str, int | None]) -> None:
             f"{', '.join(given)} was given; use --strategy hybrid to combine data, pipeline "
             "and tensor parallelism."
         )
+
+
+def microbatches(config: Config, pp: int) -> int:
+    """Micro-batches per pipeline step: --microbatches, or max(4, stages)."""
+    return config.microbatches or max(4, pp)
+
+
+def check_schedule(schedule: str, microbatches: int, pp: int) -> None:
+    """Refuse micro-batch counts the schedule cannot run, before any process starts."""
+    if schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(
+            f"--schedule 1f1b needs at least one micro-batch per stage (--microbatches >= "
+            f"--pp {pp}), got {microbatches}; raise --microbatches, or use --schedule gpipe "
+            "(which runs any count, 1 being the naive split)."
+        )
+    if schedule == "interleaved":
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ConfigError(
+                f"--schedule interleaved runs --microbatches {microbatches} in "
+                f"{rounds} equal rounds (max(1, M // --pp {pp})), which they do not divide "
+                f"into; use a multiple of {pp}."
+            )

@@ -33,9 +33,10 @@ from dtrain.parallel.blocks import find_blocks, self_contained
 from dtrain.parallel.compile import compile_blocks
 from dtrain.parallel.compression import cast_dtype
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
-from dtrain.parallel.degrees import ParallelMesh
+from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.hierarchical import host_groups
 from dtrain.parallel.materialize import materialize
+from dtrain.parallel.mesh import ParallelMesh
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
 from dtrain.parallel.split import Stage, Tie, check_stages, layers_of, split_layers
 from dtrain.parallel.tensor_plan import apply_tp, plan_of
@@ -51,11 +52,6 @@ class Parallelized:
     """This rank's part under canonical names (the whole model, or its stages' layers)."""
     pipeline: Pipeline | None = None
     """The schedule over this rank's stages (pp > 1)."""
-
-
-def microbatches(config: Config, pp: int) -> int:
-    """Micro-batches per pipeline step: --microbatches, or max(4, stages)."""
-    return config.microbatches or max(4, pp)
 
 
 def virtual_stages(config: Config) -> int:

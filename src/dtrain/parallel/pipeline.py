@@ -21,30 +21,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtrain.errors import ConfigError, SetupError
+from dtrain.errors import SetupError
 from dtrain.parallel.relay import relay_forward
 from dtrain.parallel.split import Tie
 from dtrain.precision import LossScaling
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def check_schedule(schedule: str, microbatches: int, pp: int) -> None:
-    """Refuse micro-batch counts the schedule cannot run, before any process starts."""
-    if schedule == "1f1b" and microbatches < pp:
-        raise ConfigError(
-            f"--schedule 1f1b needs at least one micro-batch per stage (--microbatches >= "
-            f"--pp {pp}), got {microbatches}; raise --microbatches, or use --schedule gpipe "
-            "(which runs any count, 1 being the naive split)."
-        )
-    if schedule == "interleaved":
-        rounds = max(1, microbatches // pp)
-        if microbatches % rounds:
-            raise ConfigError(
-                f"--schedule interleaved runs --microbatches {microbatches} in "
-                f"{rounds} equal rounds (max(1, M // --pp {pp})), which they do not divide "
-                f"into; use a multiple of {pp}."
-            )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

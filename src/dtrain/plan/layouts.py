@@ -244,13 +244,13 @@ def check(layout: Layout, global_batch: int, model: object) -> str | None:
     from dtrain.batches import check_batch
     from dtrain.parallel.split import layers_of, split_layers
     from dtrain.parallel.tensor_plan import plan_of
-    from dtrain.strategies import lookup
+    from dtrain.strategies.specs import lookup
 
     try:
         config = layout.config()
-        strategy = lookup(config.strategy)
-        strategy.check_launch(config)
-        dp, splits = strategy.batch_layout(config)
+        spec = lookup(config.strategy)
+        spec.check_launch(config)
+        dp, splits = spec.batch_layout(config)
         check_batch(global_batch, dp, splits, 1)
         if layout.pp > 1:
             split_layers(layers_of(model), layout.pp * layout.virtual, None)  # type: ignore[arg-type]

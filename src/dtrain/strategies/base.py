@@ -1,4 +1,4 @@
-"""The protocol every strategy implements, and the registry `--strategy` looks names up in.
+"""What every strategy does in a training process: the runtime protocol, and `single`.
 
 A strategy owns how the model and optimizer are wrapped, how gradients are synchronised
 and which module holds the canonical (unwrapped) parameters. The Engine owns the loop
@@ -8,8 +8,8 @@ mechanics that are the same for all of them (micro-batching, loss checks, steppi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,55 +17,32 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dtrain.batches import LossFn, forward_loss
-from dtrain.checkpoint.format import load_model, model_tensors
-from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
-from dtrain.errors import ConfigError
-from dtrain.names import unknown_strategy
 from dtrain.observe.breakdown import StepTimer
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.materialize import DeferredInit
 from dtrain.precision import LossScaling, compute_dtype
-from dtrain.topology import Topology, detect
+from dtrain.strategies.specs import lookup
+from dtrain.strategies.state import CheckpointState
+from dtrain.topology import Topology
 
-_REGISTRY: dict[str, type[Strategy]] = {}
 
+class Strategy(CheckpointState):
+    """What a strategy does in a training process: wrap the model, run a step's forward and
+    backward, synchronise gradients; its state for checkpoints is the part it inherits
+    (:class:`CheckpointState`). This base class is `single` (one device per process, no
+    wrapping); subclasses override what differs.
 
-class Strategy:
-    """Base class: one device per process, no wrapping. Subclasses override what differs.
-
-    Class attributes:
-        name: the `--strategy` value.
-        aliases: other accepted names.
-        multiprocess: True if the strategy runs one process per device (needs a process
-            group); False if it runs in one process (`--nproc` must be 1).
+    What is known before any process starts (names, the process layout, the options
+    refused) is the strategy's spec, `self.spec` (strategies/specs.py).
     """
-
-    name: ClassVar[str] = ""
-    aliases: ClassVar[tuple[str, ...]] = ()
-    multiprocess: ClassVar[bool] = False
-    supports_sync_batchnorm: ClassVar[bool] = False
-    supports_cpu_offload: ClassVar[bool] = False
-    handles_precision: ClassVar[bool] = False
-    """True if the strategy applies --precision itself; otherwise the Engine autocasts."""
-    collective_forward: ClassVar[bool] = False
-    """True if the model's forward is a collective over the data-parallel ranks (sharded
-    parameters gathered), so every one of them must run as many forwards."""
-    state_by_module: ClassVar[bool] = True
-    """True if the optimizer the loop steps is a torch optimizer over `unwrap()`'s
-    parameters, so torch.distributed.checkpoint's state_dict helpers read this rank's part
-    directly (sharded checkpoints); False sends sharded checkpoints through `full_state`."""
-    exchange_in_step: ClassVar[bool] = False
-    """True if the optimizer step is the gradient exchange (parameter servers): the step
-    breakdown counts it as communication."""
-    order: ClassVar[int] = 100
-    """Position in listings (`--help`, error messages): simplest strategies first."""
 
     def __init__(self, config: Config, topology: Topology) -> None:
         self.config = config
         self.topology = topology
+        self.spec = lookup(config.strategy)
         self.model: nn.Module | None = None
         self.timer: StepTimer | None = None
         """The Engine's step timer, told when the forward of a micro-batch is done."""
@@ -75,80 +52,31 @@ class Strategy:
         """Set by the Engine before `setup` when the model was built on the meta device
         and this strategy `places_parts`: how to initialise the part this rank holds."""
 
-    @classmethod
-    def check_launch(cls, config: Config) -> None:
-        """Validate the process layout before any process starts (called by the launcher)."""
-        if not cls.multiprocess and (config.nproc != 1 or config.nnodes != 1):
-            raise ConfigError(
-                f"Strategy '{cls.name}' runs in one process, but --nproc {config.nproc} "
-                f"--nnodes {config.nnodes} were given; drop --nproc/--nnodes, or use a "
-                "multi-process strategy such as --strategy ddp."
-            )
+    @property
+    def name(self) -> str:
+        """The `--strategy` name (an alias's strategy: zero3 for fsdp)."""
+        return self.spec.name
 
-    @classmethod
-    def processes_per_node(cls, config: Config) -> int:
-        """Processes the launcher starts on each machine (the parameter server adds its own)."""
-        return config.nproc
+    @property
+    def handles_precision(self) -> bool:
+        """True if the strategy applies --precision itself; otherwise the Engine autocasts."""
+        return False
 
-    @classmethod
-    def batch_layout(cls, config: Config) -> tuple[int, int]:
-        """(data-parallel workers, equal parts each worker's batch is cut into) that
-        `config` will run with, known before any process starts (the demo checks its
-        batch with them)."""
-        return (config.nproc * config.nnodes if cls.multiprocess else 1), 1
-
-    @classmethod
-    def role_of(cls, config: Config, rank: int) -> str:
-        """What global `rank` does in this strategy, for failure reports ("rank 3")."""
-        return f"rank {rank}"
-
-    @classmethod
-    def role_main(cls, config: Config, rank: int) -> Callable[[], None] | None:
-        """What global `rank` runs instead of the user's script, for ranks that serve
-        rather than train (parameter servers); None: the rank runs the script."""
-        return None
-
-    @classmethod
-    def detect_topology(cls, config: Config) -> Topology:
-        """This process's topology (a strategy may place some roles on the CPU)."""
-        return detect(config)
-
-    @classmethod
-    def check_options(cls, config: Config) -> None:
-        """Reject options this strategy cannot honour (called by `dtrain.init`)."""
-        if config.sync_batchnorm and not cls.supports_sync_batchnorm:
-            raise ConfigError(
-                f"--sync-batchnorm has no effect under strategy '{cls.name}'; drop it, or use "
-                "a data-parallel strategy over processes (ddp, zero1, zero2, zero3, hsdp, "
-                "hybrid), whose workers then normalise over the whole global batch."
-            )
-        if config.cpu_offload and not cls.offloads(config):
-            raise ConfigError(
-                f"--cpu-offload works with --strategy zero3 only (or hybrid with --dp-mode "
-                f"zero3), not '{cls.name}'; drop it, or shard everything with zero3."
-            )
-        if config.precision == "fp16-mixed" and cls.exchange_in_step:
-            raise ConfigError(
-                f"--precision fp16-mixed is not supported under --strategy {cls.name}: the "
-                "servers apply each update, so a worker cannot skip a step whose fp16 "
-                "gradients overflowed (a sync round waits for every worker's gradients). Use "
-                "--precision bf16-mixed or fp32, or a strategy such as ddp."
-            )
-
-    @classmethod
-    def offloads(cls, config: Config) -> bool:
-        """True if `config` shards the model state so that --cpu-offload can move it."""
-        return cls.supports_cpu_offload
+    @property
+    def collective_forward(self) -> bool:
+        """True if the model's forward is a collective over the data-parallel ranks (sharded
+        parameters gathered), so every one of them must run as many forwards."""
+        return False
 
     @property
     def dp_size(self) -> int:
         """Number of data-parallel processes (each reads a different share of the data)."""
-        return self.topology.world_size if self.multiprocess else 1
+        return self.topology.world_size if self.spec.multiprocess else 1
 
     @property
     def dp_rank(self) -> int:
         """This process's index among the data-parallel processes."""
-        return self.topology.rank if self.multiprocess else 0
+        return self.topology.rank if self.spec.multiprocess else 0
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -165,7 +93,7 @@ class Strategy:
     def lockstep(self) -> bool:
         """True if every training process takes each step together (synchronous training),
         so reads of per-step values can be collective over `train_group`."""
-        return self.multiprocess
+        return self.spec.multiprocess
 
     @property
     def train_group(self) -> dist.ProcessGroup | None:
@@ -214,11 +142,6 @@ class Strategy:
         if c.compile or compiled:
             compile_model(self.model, c.blocks, c.compile_backend)
         return self.model, optimizer
-
-    @property
-    def model_class(self) -> str:
-        """The class name of the user's model (recorded in checkpoint manifests)."""
-        return type(self.unwrap()).__name__
 
     def unwrap(self) -> nn.Module:
         """The user's module, whose state_dict has canonical parameter names."""
@@ -282,50 +205,6 @@ class Strategy:
         DTensor placements (pipeline stages): the norm's squares are summed over them."""
         return ()
 
-    def full_state(
-        self, optimizer: Optimizer | None
-    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
-        """The whole model (canonical names, CPU) and name-keyed optimizer state.
-
-        Called on every rank (sharded strategies gather); returns the states on the main
-        rank and (None, None) elsewhere.
-        """
-        if not self.topology.is_main:
-            return None, None
-        module = self.unwrap()
-        return model_tensors(module), state_by_name(optimizer, module) if optimizer else None
-
-    def load_full_state(
-        self,
-        tensors: dict[str, torch.Tensor],
-        optimizer: Optimizer | None,
-        optimizer_state: dict[str, Any] | None,
-        strict: bool,
-    ) -> list[str]:
-        """Load whole tensors and name-keyed optimizer state (every rank passes them).
-
-        Returns the names skipped with strict=False.
-        """
-        module = self.unwrap()
-        skipped = load_model(module, tensors, strict)
-        if optimizer is not None and optimizer_state is not None:
-            loaded = {n for n, _ in module.named_parameters()} - set(skipped)
-            load_by_name(optimizer, module, optimizer_state, loaded if skipped else None)
-        return skipped
-
-    def replica_state(self, optimizer: Optimizer | None) -> dict[str, Any] | None:
-        """What this rank trains apart from the model and optimizer state `full_state`
-        saves (replicas that differ between syncs: local-sgd), for the trainer state of a
-        checkpoint; None, alike on every rank: nothing."""
-        return None
-
-    def load_replica_state(
-        self, mine: dict[str, Any] | None, first: dict[str, Any], optimizer: Optimizer | None
-    ) -> None:
-        """After a checkpoint's model and optimizer state are loaded, restore this rank's
-        `replica_state` (`mine`; None when the job that saved it had another number of
-        ranks); `first` is the first rank's."""
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, skipping synchronisation, inside the block."""
@@ -339,26 +218,3 @@ class Strategy:
     def close(self) -> None:
         """Release wrappers before the process group is destroyed."""
         self.model = None
-
-
-def register(cls: type[Strategy]) -> type[Strategy]:
-    """Class decorator: make `cls` selectable by its name and aliases."""
-    for key in (cls.name, *cls.aliases):
-        if key in _REGISTRY:
-            raise ValueError(f"Strategy name '{key}' is registered twice.")
-        _REGISTRY[key] = cls
-    return cls
-
-
-def available() -> list[str]:
-    """Names (not aliases) of the registered strategies, simplest first."""
-    classes = sorted(set(_REGISTRY.values()), key=lambda cls: (cls.order, cls.name))
-    return [cls.name for cls in classes]
-
-
-def lookup(name: str) -> type[Strategy]:
-    """The strategy class registered under `name`; a ConfigError listing the known ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(unknown_strategy(name, available())) from None

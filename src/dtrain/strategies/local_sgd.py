@@ -48,7 +48,7 @@ from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.broadcast import broadcast_model
-from dtrain.strategies.base import Strategy, register
+from dtrain.strategies.base import Strategy
 from dtrain.topology import Topology
 
 DEFAULT_SYNC_EVERY = 8
@@ -59,14 +59,8 @@ OUTER_DEFAULTS = {"sgd": (1.0, 0.0), "nesterov": (0.7, 0.9)}
 for nesterov; for sgd those that make a sync plain averaging."""
 
 
-@register
 class LocalSGD(Strategy):
     """Whole replicas, one per process, synced every `sync_every` optimizer steps."""
-
-    name = "local-sgd"
-    multiprocess = True
-    state_by_module = False  # both checkpoint formats save the replicas' mean (`full_state`)
-    order = 25
 
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
@@ -85,16 +79,10 @@ class LocalSGD(Strategy):
         self._counts_steps = False
         """True once `setup` hooked the optimizer's steps (the syncs follow them)."""
 
-    @classmethod
-    def check_options(cls, config: Config) -> None:
-        if config.sync_batchnorm:
-            raise ConfigError(
-                "--sync-batchnorm makes every forward wait for the other replicas' batch "
-                "statistics, which --strategy local-sgd's replicas do not exchange between "
-                "syncs (their running statistics are averaged at each sync); drop it, or use "
-                "--strategy ddp."
-            )
-        super().check_options(config)
+    @property
+    def state_by_module(self) -> bool:
+        """Both checkpoint formats save the replicas' mean (`full_state`)."""
+        return False
 
     @property
     def layout_text(self) -> str | None:

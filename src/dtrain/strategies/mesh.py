@@ -1,10 +1,11 @@
 """The mesh strategies: presets of data, pipeline and tensor degrees over one DeviceMesh.
 
-ddp, zero2, zero3, pipeline, tensor and hybrid differ only in their :class:`Degrees` and in
-whether the data-parallel ranks replicate or shard; :func:`parallelize` applies them in
-one fixed order. This class is what they share: the layout checks, the step seam (a
-pipeline schedule runs forward and backward there), gradient-sync control, and the whole
-state of the model gathered for checkpoints.
+ddp, zero2, zero3, hsdp, pipeline, tensor and hybrid differ only in their :class:`Degrees`
+and in whether the data-parallel ranks replicate or shard (their specs, strategies/specs.py,
+lay them out and check them before any process starts); :func:`parallelize` applies them
+in one fixed order. This class runs every one of them (zero1 adds its optimizer): the step
+seam (a pipeline schedule runs forward and backward there), gradient-sync control, and
+the whole state of the model gathered for checkpoints.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,9 +31,10 @@ from dtrain.parallel.broadcast import broadcast_model
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import unwrap_compiled
 from dtrain.parallel.data_parallel import ShardOptions
-from dtrain.parallel.degrees import Degrees
+from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.hooks import gradient_hooks
-from dtrain.parallel.parallelize import Parallelized, microbatches, parallelize, shard_options
+from dtrain.parallel.mesh import parallel_mesh
+from dtrain.parallel.parallelize import Parallelized, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
@@ -40,23 +42,22 @@ from dtrain.parallel.unused import UnusedWatch
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.rebuild import group_names, repoint
+from dtrain.strategies.specs import MeshSpec
 from dtrain.topology import Topology
 
 
 class MeshStrategy(Strategy):
-    """A preset over :class:`Degrees`; subclasses say which degrees (`layout`) and how the
-    data-parallel ranks synchronise (`reshard_after_forward`, None for replicas)."""
-
-    multiprocess = True
-    supports_sync_batchnorm = True
-    reshard_after_forward: ClassVar[bool | None] = None
-    """None: data-parallel ranks hold replicas (ddp); True/False: they shard with FSDP2,
-    freeing gathered parameters after forward (zero3) or keeping them (zero2)."""
+    """A preset over :class:`Degrees`: its spec (a :class:`MeshSpec`) says which degrees
+    (`layout`) and how the data-parallel ranks synchronise (`dp_mode`)."""
 
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
-        self.degrees = self.layout(config, topology.world_size)
-        self.mesh = self.degrees.mesh(topology.device.type)
+        spec = self.spec
+        assert isinstance(spec, MeshSpec)
+        self.degrees = spec.layout(config, topology.world_size)
+        self.dp_mode = spec.dp_mode(config)
+        """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
+        self.mesh = parallel_mesh(self.degrees, topology.device.type)
         self.parts: Parallelized | None = None
         self._whole: dict[str, torch.Size] = {}
         self._user: nn.Module | None = None
@@ -74,44 +75,19 @@ class MeshStrategy(Strategy):
         )
 
     # -- layout ---------------------------------------------------------------------------
-    @classmethod
-    def layout(cls, config: Config, world_size: int) -> Degrees:
-        """The degrees for `config` on `world_size` processes, checked (a ConfigError
-        naming the fix otherwise)."""
-        raise NotImplementedError
-
-    @classmethod
-    def dp_mode(cls, config: Config) -> str:
-        """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
-        if cls.reshard_after_forward is None:
-            return "ddp"
-        return "zero3" if cls.reshard_after_forward else "zero2"
-
-    @classmethod
-    def batch_layout(cls, config: Config) -> tuple[int, int]:
-        degrees = cls.layout(config, config.nproc * config.nnodes)
-        splits = microbatches(config, degrees.pp) if degrees.pp_enabled else 1
-        return degrees.dp, splits
-
-    @classmethod
-    def check_launch(cls, config: Config) -> None:
-        super().check_launch(config)
-        cls.layout(config, config.nproc * config.nnodes)
-
     @property
     def shard(self) -> ShardOptions | None:
         """The FSDP options when the data-parallel ranks shard, else None."""
-        mode = self.dp_mode(self.config)
-        if mode == "ddp":
+        if self.dp_mode == "ddp":
             return None
-        return shard_options(self.config, mode == "zero3", self.degrees.pp_enabled)
+        return shard_options(self.config, self.dp_mode == "zero3", self.degrees.pp_enabled)
 
     @property
-    def handles_precision(self) -> bool:  # type: ignore[override]
+    def handles_precision(self) -> bool:
         return self.shard is not None
 
     @property
-    def collective_forward(self) -> bool:  # type: ignore[override]
+    def collective_forward(self) -> bool:
         """Sharded parameters are gathered in forward, and replicas of pipeline stages or
         tensor-parallel layers (`replicate`) act there too."""
         d = self.degrees
@@ -156,7 +132,7 @@ class MeshStrategy(Strategy):
         return self.shard is not None or d.pp_enabled or d.tp_enabled
 
     @property
-    def places_parts(self) -> bool:  # type: ignore[override]
+    def places_parts(self) -> bool:
         d = self.degrees
         return self.shard is not None or d.pp_enabled or d.tp_enabled
 

@@ -28,7 +28,8 @@ from dtrain.observe.logs import LOGGER
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
-from dtrain.strategies.base import Strategy, register
+from dtrain.strategies.base import Strategy
+from dtrain.strategies.specs import tower_count
 from dtrain.topology import Topology, use_gpus
 
 
@@ -39,18 +40,11 @@ def tower_devices(config: Config) -> tuple[list[torch.device], torch.device]:
     on the only GPU, or on the CPU when there are several. CPU: --towers replicas
     (default 2) on the CPU.
     """
+    count = tower_count(config)
     if use_gpus(config):
-        visible = torch.cuda.device_count()
-        count = config.towers or visible
-        if count > visible:
-            raise ConfigError(
-                f"--towers {count} asks for more towers than the {visible} visible GPU(s); "
-                "lower --towers, or pass --cpu to run the towers on the CPU."
-            )
         devices = [torch.device("cuda", i) for i in range(count)]
         param_device = devices[0] if count == 1 else torch.device("cpu")
         return devices, param_device
-    count = config.towers or 2
     return [torch.device("cpu")] * count, torch.device("cpu")
 
 
@@ -197,12 +191,8 @@ def _warn_batchnorm(model: nn.Module, towers: int) -> None:
     warnings.warn(message, stacklevel=4)
 
 
-@register
 class Towers(Strategy):
     """Single-process data parallel over N replicas (`--towers N`)."""
-
-    name = "towers"
-    order = 10
 
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
@@ -215,10 +205,6 @@ class Towers(Strategy):
     @property
     def micro_splits(self) -> int:
         return len(self.devices)
-
-    @classmethod
-    def batch_layout(cls, config: Config) -> tuple[int, int]:
-        return 1, len(tower_devices(config)[0])
 
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None

@@ -15,19 +15,23 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError, SetupError
-from dtrain.strategies.base import Strategy, register
-from dtrain.strategies.ddp import DDP
+from dtrain.strategies.mesh import MeshStrategy
 from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
+from dtrain.strategies.state import CheckpointState
 
 
-@register
-class Zero1(DDP):
-    """Optimizer state sharded over the data-parallel ranks."""
+class Zero1(MeshStrategy):
+    """DDP's replicas, optimizer state sharded over the data-parallel ranks."""
 
-    name = "zero1"
-    state_by_module = False
-    order = 30
-    splits_model = True  # type: ignore[assignment]
+    @property
+    def splits_model(self) -> bool:
+        """Each rank's optimizer holds the state of its shard of the parameters."""
+        return True
+
+    @property
+    def state_by_module(self) -> bool:
+        """ZeroRedundancyOptimizer's state is not a torch optimizer's over `unwrap()`."""
+        return False
 
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
@@ -63,7 +67,7 @@ class Zero1(DDP):
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
         # Rank 0 alone holds the consolidated state: skip the mesh's every-rank gathering.
-        return Strategy.full_state(self, optimizer)
+        return CheckpointState.full_state(self, optimizer)
 
     def load_full_state(
         self,
@@ -78,7 +82,7 @@ class Zero1(DDP):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         groups = optimizer.param_groups if optimizer is not None else []
-        skipped = Strategy.load_full_state(self, tensors, optimizer, optimizer_state, strict)
+        skipped = CheckpointState.load_full_state(self, tensors, optimizer, optimizer_state, strict)
         if isinstance(optimizer, ZeroRedundancyOptimizer) and optimizer.param_groups is not groups:
             # Loading put new group dicts in place of the user's; the user's take the
             # loaded settings and go back in, so a scheduler on the user's optimizer still

@@ -3,20 +3,18 @@
 The seeds' TensorFlow PS architecture on torch.distributed point-to-point messages over
 gloo. `--nproc` workers per machine run the user's script and read the data; `--servers
 K` servers in all, K/N on each of the N machines, hold the parameters and optimizer state
-on the CPU (roles.py says which rank is which). The launcher runs a server rank's
-:meth:`ParameterServer.role_main` (serving.py) instead of the script: it learns the model
-from worker 0's `engine.setup` (handshake.py), serves until every worker has finished and
-returns. See server.py for the
-sync, async and ssp rules and sharding.py for the placement.
+on the CPU (roles.py says which rank is which). The launcher runs what a server rank's
+`role_main` gives (the ps spec in strategies/specs.py: serving.py) instead of the script:
+it learns the model from worker 0's `engine.setup` (handshake.py), serves until every
+worker has finished and returns. See server.py for the sync, async and ssp rules and
+sharding.py for the placement.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,33 +30,19 @@ from dtrain.parallel.activation_checkpointing import apply_activation_checkpoint
 from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
-from dtrain.strategies.base import Strategy, register
-from dtrain.strategies.ps import serving, sharding, state
+from dtrain.strategies.base import Strategy
+from dtrain.strategies.ps import sharding, state
 from dtrain.strategies.ps.client import Client
 from dtrain.strategies.ps.handshake import Description, handshake
 from dtrain.strategies.ps.optimizer import GroupSettings, WorkerOptimizer, check_optimizer
 from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.ps.storage import FlatParameters
+from dtrain.strategies.specs import NO_BACKUP_CLIPPING
 from dtrain.topology import Topology
 
-NO_BACKUP_CLIPPING = (
-    "Gradient clipping under --strategy ps with --backup-workers is not supported: each "
-    "server fills its round with the first gradients it receives, which may be different "
-    "workers' on different servers, so no global norm of one round exists. Drop "
-    "--backup-workers or --clip-grad-norm."
-)
 
-
-@register
 class ParameterServer(Strategy):
     """Data parallel against K CPU parameter servers (sync, async or bounded staleness)."""
-
-    name = "ps"
-    multiprocess = True
-    supports_sync_batchnorm = True
-    state_by_module = False
-    exchange_in_step = True  # the step commits the gradients and waits for the update
-    order = 30
 
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
@@ -76,63 +60,6 @@ class ParameterServer(Strategy):
         (sync), or the factor for this worker's gradient (async, ssp)."""
         self._holding = False
         """Inside `no_sync`: the micro-batch's gradients are not final yet."""
-
-    # -- layout ----------------------------------------------------------------------------
-    @classmethod
-    def processes_per_node(cls, config: Config) -> int:
-        return Roles.of(config).per_node
-
-    @classmethod
-    def role_of(cls, config: Config, rank: int) -> str:
-        roles = Roles.of(config)
-        return f"{'server' if roles.is_server(rank) else 'worker'} {roles.index(rank)}"
-
-    @classmethod
-    def check_launch(cls, config: Config) -> None:
-        if config.min_nnodes is not None:
-            raise ConfigError(
-                "--strategy ps places its servers on the machines when the job starts, so it "
-                f"cannot run elastic (--nnodes {config.min_nnodes}:{config.nnodes}); give a "
-                "fixed --nnodes N."
-            )
-        if config.servers % config.nnodes:
-            raise ConfigError(
-                f"--servers {config.servers} cannot be spread evenly over --nnodes "
-                f"{config.nnodes} machines (--servers counts the servers of the whole job, the "
-                f"same number on each machine); use a multiple of {config.nnodes}, such as "
-                f"--servers {config.nnodes * max(1, round(config.servers / config.nnodes))}."
-            )
-
-    @classmethod
-    def check_options(cls, config: Config) -> None:
-        super().check_options(config)
-        if config.clip_grad_norm is not None and config.backup_workers:
-            raise ConfigError(NO_BACKUP_CLIPPING)
-        if config.sync_batchnorm and (config.ps_mode != "sync" or config.backup_workers):
-            raise ConfigError(
-                "--sync-batchnorm makes every worker's forward wait for the others' batch "
-                "statistics, which only sync ps without backup workers does step by step; "
-                "use --ps-mode sync without --backup-workers, or drop --sync-batchnorm."
-            )
-
-    @classmethod
-    def role_main(cls, config: Config, rank: int) -> Callable[[], None] | None:
-        """Server ranks serve (serving.py) instead of running the user's script."""
-        serves = Roles.of(config).is_server(rank)
-        return functools.partial(serving.serve, config) if serves else None
-
-    @classmethod
-    def detect_topology(cls, config: Config) -> Topology:
-        rank = int(os.environ.get("RANK", 0))
-        if Roles.of(config).is_server(rank):
-            raise ConfigError(
-                f"Rank {rank} is a parameter server (--strategy ps with --nproc "
-                f"{config.nproc} workers and --servers {config.servers}: the last ranks of "
-                "each machine serve), so it does not run the training script; start ps jobs "
-                "with `dtrain run --strategy ps --nproc W --servers K SCRIPT` (or `dtrain demo "
-                "--strategy ps`), which runs the servers itself."
-            )
-        return serving.topology(config, server=False)
 
     @property
     def dp_size(self) -> int:
@@ -164,6 +91,11 @@ class ParameterServer(Strategy):
     @property
     def splits_model(self) -> bool:
         return True
+
+    @property
+    def state_by_module(self) -> bool:
+        """The servers hold the optimizer state; the worker's optimizer only forwards."""
+        return False
 
     @property
     def lockstep(self) -> bool:

@@ -1,0 +1,89 @@
+"""What checkpoints ask of a strategy: its model and optimizer state, whole or per replica.
+
+:class:`CheckpointState` is the part of a runtime strategy that the checkpoints call
+(checkpointing.py, checkpoint/sharded.py, checkpoint/sharded_load.py). Its defaults hold
+where `unwrap()` is the whole model on every rank and the loop steps a torch optimizer
+over its parameters; strategies that shard the state, keep replicas apart between syncs
+or hold it on servers override them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from dtrain.checkpoint.format import load_model, model_tensors
+from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
+from dtrain.topology import Topology
+
+
+class _Holder(Protocol):
+    """What the defaults read of the strategy they belong to."""
+
+    topology: Topology
+
+    def unwrap(self) -> nn.Module: ...
+
+
+class CheckpointState:
+    """The state a checkpoint saves and loads; mixed into every runtime `Strategy`."""
+
+    @property
+    def state_by_module(self) -> bool:
+        """True if the optimizer the loop steps is a torch optimizer over `unwrap()`'s
+        parameters, so torch.distributed.checkpoint's state_dict helpers read this rank's
+        part directly (sharded checkpoints); False sends sharded checkpoints through
+        `full_state`."""
+        return True
+
+    @property
+    def model_class(self: _Holder) -> str:
+        """The class name of the user's model (recorded in checkpoint manifests)."""
+        return type(self.unwrap()).__name__
+
+    def full_state(
+        self: _Holder, optimizer: Optimizer | None
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """The whole model (canonical names, CPU) and name-keyed optimizer state.
+
+        Called on every rank (sharded strategies gather); returns the states on the main
+        rank and (None, None) elsewhere.
+        """
+        if not self.topology.is_main:
+            return None, None
+        module = self.unwrap()
+        return model_tensors(module), state_by_name(optimizer, module) if optimizer else None
+
+    def load_full_state(
+        self: _Holder,
+        tensors: dict[str, torch.Tensor],
+        optimizer: Optimizer | None,
+        optimizer_state: dict[str, Any] | None,
+        strict: bool,
+    ) -> list[str]:
+        """Load whole tensors and name-keyed optimizer state (every rank passes them).
+
+        Returns the names skipped with strict=False.
+        """
+        module = self.unwrap()
+        skipped = load_model(module, tensors, strict)
+        if optimizer is not None and optimizer_state is not None:
+            loaded = {n for n, _ in module.named_parameters()} - set(skipped)
+            load_by_name(optimizer, module, optimizer_state, loaded if skipped else None)
+        return skipped
+
+    def replica_state(self, optimizer: Optimizer | None) -> dict[str, Any] | None:
+        """What this rank trains apart from the model and optimizer state `full_state`
+        saves (replicas that differ between syncs: local-sgd), for the trainer state of a
+        checkpoint; None, alike on every rank: nothing."""
+        return None
+
+    def load_replica_state(
+        self, mine: dict[str, Any] | None, first: dict[str, Any], optimizer: Optimizer | None
+    ) -> None:
+        """After a checkpoint's model and optimizer state are loaded, restore this rank's
+        `replica_state` (`mine`; None when the job that saved it had another number of
+        ranks); `first` is the first rank's."""
