@@ -30,6 +30,7 @@ def ddp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_layout_and_manifest(ddp_checkpoint: Path) -> None:
     manifest = json.loads((ddp_checkpoint / "manifest.json").read_text())
     assert manifest["format"] == dtrain.checkpoint.FORMAT
@@ -39,6 +40,7 @@ def test_layout_and_manifest(ddp_checkpoint: Path) -> None:
     assert set(names) == {n for n, _ in DigitsMLP(hidden=32).named_parameters()}
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_plain_pytorch_loads_it_without_dtrain(ddp_checkpoint: Path) -> None:
     model = DigitsMLP(hidden=32)
     model.load_state_dict(safetensors.torch.load_file(ddp_checkpoint / "model.safetensors"))
@@ -53,6 +55,7 @@ def test_resume_under_another_strategy_continues_identically(
     assert_close(resumed, uninterrupted)
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_a_checkpoint_of_another_model_is_refused_by_name(ddp_checkpoint: Path) -> None:
     engine = dtrain.init(strategy="single")
     engine.setup(DigitsCNN())
@@ -63,6 +66,7 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(ddp_checkpoint: Path) 
     engine.close()
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_wrong_shapes_are_named_and_strict_false_skips_them(ddp_checkpoint: Path) -> None:
     engine = dtrain.init(strategy="single")
     model = DigitsMLP(hidden=16)
@@ -73,6 +77,7 @@ def test_wrong_shapes_are_named_and_strict_false_skips_them(ddp_checkpoint: Path
     engine.close()
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_verify_names_truncated_and_corrupt_files(ddp_checkpoint: Path, tmp_path: Path) -> None:
     assert verify(ddp_checkpoint) == []
     broken = tmp_path / "broken"

@@ -67,6 +67,7 @@ def assert_same_state(state: Any, expected: tuple[dict, dict]) -> None:
     assert optimizer["param_groups"] == expected_optimizer["param_groups"]
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_every_rank_writes_a_part_beside_a_manifest(saved: dict[str, Path]) -> None:
     manifest = json.loads((saved["sharded"] / "manifest.json").read_text())
     assert manifest["format"] == SHARDED_FORMAT
@@ -142,6 +143,7 @@ def test_ps_saves_in_the_background_and_loads_sharded_checkpoints(tmp_path: Path
     assert_close(run_ps(2, 1, checkpoint_in=path)[0], train(steps=20, strategy="single"))
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_a_checkpoint_of_another_model_or_optimizer_is_refused(saved: dict[str, Path]) -> None:
     engine = dtrain.init(strategy="single")
     model = DigitsMLP(hidden=32)
@@ -195,6 +197,7 @@ def test_a_pickled_payload_in_the_index_is_refused_and_never_runs(
     assert not marker.exists()
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_verify_inspect_and_resume_know_both_formats(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     for step, options in ((1, {}), (2, SHARDED)):

@@ -154,6 +154,7 @@ def test_checkpoints_move_between_single_and_pipeline_x_tensor(tmp_path: Path) -
     assert_close(resumed, expected)
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_demo_trains_the_gpt_under_hybrid(tmp_path: Path) -> None:
     flags = ("--strategy", "hybrid", "--nproc", "4", "--pp", "2", "--tp", "2")
     metrics = tmp_path / "m.json"

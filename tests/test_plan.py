@@ -177,6 +177,7 @@ def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_plan_lists_runnable_candidates_that_fit(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

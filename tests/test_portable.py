@@ -54,6 +54,7 @@ def test_plain_pytorch_files_load_whatever_wrote_them(
     assert_close(model.state_dict(), weights)
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_convert_both_ways_and_inspect(tmp_path: Path, weights: dict) -> None:
     src = tmp_path / "ddp.pt"
     torch.save({"epoch": 2, "state_dict": {f"module.{k}": v for k, v in weights.items()}}, src)

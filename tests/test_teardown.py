@@ -45,6 +45,7 @@ def test_a_script_without_close_exits_cleanly_every_time(tmp_path: Path) -> None
             assert "accuracy" in proc.stdout
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_a_workers_exit_code_passes_through(tmp_path: Path) -> None:
     script = tmp_path / "exit3.py"
     script.write_text("import sys\nimport dtrain\nengine = dtrain.init()\nsys.exit(3)\n")
