@@ -99,7 +99,9 @@ def test_a_rank_that_finished_early_is_named(tmp_path: Path) -> None:
     )  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
-    assert "waited longer than --timeout" in out, out
+    # Rank 0 either waits out --timeout or sees rank 1's connection close as it exits:
+    # which comes first depends on the machine's load.
+    assert "waited longer than --timeout" in out or "Connection closed by peer" in out, out
     assert "Rank(s) 1 had already finished their script (exit code 0)" in out, out
 
 

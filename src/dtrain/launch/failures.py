@@ -251,7 +251,8 @@ def format_failures(
         parts.append(
             f"Rank(s) {', '.join(map(str, done))} had already finished their script (exit "
             "code 0) while the others went on: a rank that skips a collective the others run "
-            "(fewer steps, an early return or break) leaves them waiting until --timeout. "
+            "(fewer steps, an early return or break) leaves them waiting until --timeout, or "
+            "failing as soon as its connection closes. "
             "Every rank must run the same training steps (drop_last=True, the same step "
             "count on every rank)."
         )
