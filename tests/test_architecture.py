@@ -36,7 +36,10 @@ LAYERS: list[tuple[str, set[str]]] = [
             "topology.py", "models/", "datasets/", "tasks.py",
         },
     ),
-    ("measurement and files", {"observe/", "checkpoint/", "rng.py", "shard_files.py"}),
+    (
+        "measurement and files",
+        {"observe/", "checkpoint/", "rng.py", "shard_files.py", "shard_share.py", "shard_write.py"},
+    ),
     ("parallel core", {"parallel/"}),
     ("strategies", {"strategies/"}),
     (

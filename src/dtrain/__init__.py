@@ -27,7 +27,8 @@ from dtrain.errors import (
 if TYPE_CHECKING:
     from dtrain.engine import Engine
     from dtrain.launch.notebook import launch
-    from dtrain.shard_files import ShardFiles, write_shards
+    from dtrain.shard_files import ShardFiles
+    from dtrain.shard_write import write_shards
     from dtrain.start import init
     from dtrain.strategies.specs import available as available_strategies
 

@@ -17,7 +17,24 @@ from torch.utils.data import DistributedSampler, Sampler
 from dtrain.errors import ConfigError, SetupError
 
 
-class ShardedBatchSampler(Sampler[list[int]]):
+class RankShare:
+    """What every reader of dtrain's knows: this rank's `batch_size` samples of each
+    global batch of `dp_size` ranks' shares, and which rank it is (`dp_rank`)."""
+
+    def __init__(self, batch_size: int, dp_size: int, dp_rank: int) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"The batch size per worker must be at least 1, got {batch_size}.")
+        self.batch_size = batch_size
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples consumed by one step over all data-parallel ranks."""
+        return self.batch_size * self.dp_size
+
+
+class ShardedBatchSampler(Sampler[list[int]], RankShare):
     """Yields this rank's share of each global batch, as lists of dataset indices.
 
     Args:
@@ -44,12 +61,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = True,
     ) -> None:
-        if batch_size < 1:
-            raise ConfigError(f"The batch size per worker must be at least 1, got {batch_size}.")
+        RankShare.__init__(self, batch_size, dp_size, dp_rank)
         self.dataset_size = dataset_size
-        self.batch_size = batch_size
-        self.dp_size = dp_size
-        self.dp_rank = dp_rank
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
@@ -61,11 +74,6 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 f"{self.global_batch_size} ({batch_size} per worker x {dp_size} workers); "
                 "lower the batch size or use fewer workers."
             )
-
-    @property
-    def global_batch_size(self) -> int:
-        """Samples consumed by one step over all data-parallel ranks."""
-        return self.batch_size * self.dp_size
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch's shuffle; `skip` leaves out its first `skip` batches (resume)."""

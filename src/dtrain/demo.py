@@ -29,7 +29,8 @@ from dtrain.models.gpt import GPT
 from dtrain.observe.flops import gpt_throughput
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.metrics import format_table
-from dtrain.shard_files import ShardFiles, ShardShare
+from dtrain.shard_files import ShardFiles
+from dtrain.shard_share import ShardShare
 from dtrain.tasks import TASKS, make_optimizer
 
 DEFAULT_SEED = 0

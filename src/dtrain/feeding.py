@@ -15,7 +15,8 @@ from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.progress import Throughput, track
 from dtrain.position import Position
-from dtrain.shard_files import ShardFiles, shard_share
+from dtrain.shard_files import ShardFiles
+from dtrain.shard_share import shard_share
 from dtrain.streams import StreamShare, as_is, is_stream, stream_share
 
 

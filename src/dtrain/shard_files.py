@@ -21,17 +21,15 @@ from __future__ import annotations
 import bisect
 import collections
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
-from dtrain.checkpoint.atomic import atomic_directory
-from dtrain.errors import ConfigError, SetupError
-from dtrain.streams import StreamShare
+from dtrain.errors import ConfigError
 
 INDEX = "index.json"
 REWRITE = "write the shards again (dtrain.write_shards or `dtrain data write`)"
@@ -44,71 +42,6 @@ array per field of (input, target, ...) tuples, sample i the tuple of their rows
 
 Decode = Callable[[Path], Sequence[Any]]
 """A shard file's path -> its samples (anything with ``len`` and indexing)."""
-
-
-def write_shards(
-    samples: Sequence[Any],
-    out_dir: str | Path,
-    shard_size: int,
-    partitions: int = 1,
-    format: str = "pt",  # noqa: A002 - the index's word for it
-) -> Path:
-    """Write `samples` (a map-style dataset or any sequence) as shard files of `shard_size`
-    samples in `partitions` contiguous partitions of near-equal size, with their
-    ``index.json``, into the directory `out_dir` (replacing it, if it holds earlier shard
-    files, in one rename: a reader sees the old directory or the complete new one). Returns
-    `out_dir`.
-
-    `format` is one of `FORMATS`. `partitions` is fixed here: train on a multiple or a
-    divisor of it data-parallel ranks (typically it is the number of machines).
-    """
-    if format not in FORMATS:
-        raise ConfigError(f"Shard format {format!r} is unknown; use one of {', '.join(FORMATS)}.")
-    if shard_size < 1:
-        raise ConfigError(f"A shard holds at least 1 sample; got a shard size of {shard_size}.")
-    total = len(samples)
-    if partitions < 1 or total < partitions:
-        raise ConfigError(
-            f"{total} samples cannot fill {partitions} partitions; use between 1 and {total}."
-        )
-    _check_fits(samples[0], format)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"{out_dir} is a file; give write_shards a directory to write.")
-    if out_dir.exists() and not (out_dir / INDEX).is_file() and any(out_dir.iterdir()):
-        raise ConfigError(
-            f"{out_dir} holds files other than shard files, and writing shards replaces the "
-            "whole directory; choose a new or empty directory."
-        )
-    shards = []
-    with atomic_directory(out_dir) as tmp:
-        size, rest = divmod(total, partitions)
-        start = 0
-        for partition in range(partitions):
-            end = start + size + (partition < rest)
-            for first in range(start, end, shard_size):
-                name = f"shard-{len(shards):05d}.{format}"
-                rows = [samples[i] for i in range(first, min(first + shard_size, end))]
-                try:
-                    _WRITERS[format](rows, tmp / name)
-                except ValueError as e:  # numpy cannot stack samples of unequal shapes
-                    raise ConfigError(
-                        f"Samples {first} to {first + len(rows) - 1} cannot be stacked into one "
-                        f"{format} array ({e}); every sample's fields must have one shape in "
-                        "that format: write format='pt', which keeps each sample as it is."
-                    ) from None
-                shards.append(
-                    {
-                        "name": name,
-                        "samples": len(rows),
-                        "partition": partition,
-                        "bytes": (tmp / name).stat().st_size,
-                    }
-                )
-            start = end
-        index = {"format": format, "partitions": partitions, "shards": shards}
-        (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
-    return out_dir
 
 
 class ShardFiles(Dataset):
@@ -255,157 +188,6 @@ class ShardFiles(Dataset):
         return samples
 
 
-class ShardShare(StreamShare):
-    """One data-parallel rank's share of each global batch of a `ShardFiles`, as whole
-    collated batches (iterated like a `StreamShare`: DataLoader worker w of W builds the
-    rank's batches w, w + W, ... of the epoch; resume starts at step `skip` directly).
-
-    Args:
-        files: the shard files.
-        batch_size, dp_size, dp_rank: as for `StreamShare`.
-        shuffle: the epoch's order is shuffled (see `ShardFiles.order`).
-        seed: the order's seed (the files' own if they have one).
-        collate_fn: makes a batch of a list of samples.
-    """
-
-    def __init__(
-        self,
-        files: ShardFiles,
-        batch_size: int,
-        dp_size: int,
-        dp_rank: int,
-        shuffle: bool,
-        seed: int,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-    ) -> None:
-        super().__init__(files, batch_size, dp_size, dp_rank, True, collate_fn)
-        self.files = files
-        self.shuffle = shuffle
-        # In shared memory, as the epoch is: a load after persistent DataLoader workers
-        # started sets the checkpoint's seed, and they must read it.
-        self._seed = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self.seed = seed if files.seed is None else files.seed
-        parts = files.partitions
-        _check_partitions(files, self.global_batch_size, dp_size)
-        self.part = self.global_batch_size // parts
-        """Samples each partition gives one step."""
-        self.pieces = _runs(dp_rank * batch_size, (dp_rank + 1) * batch_size, self.part)
-        """(partition, first, end) of each run of this rank's share, within the partition's
-        part of a global batch."""
-        files.keep_open = files.shuffle_block * len(self.pieces)
-        for p, _, _ in self.pieces:
-            files.check_files(p)
-        sizes = [files.partition_size(p) for p in range(parts)]
-        self.steps = min(sizes) // self.part
-        if self.steps == 0:
-            raise ConfigError(
-                f"Partition {sizes.index(min(sizes))} of {files.directory} has {min(sizes)} "
-                f"samples, fewer than its {self.part} of one global batch of "
-                f"{self.global_batch_size}; lower the batch size, or write the shards in "
-                "fewer partitions."
-            )
-        self.sizes = sizes
-        self.dropped = sum(sizes) - self.steps * self.global_batch_size
-        """Samples of an epoch no step takes."""
-
-    @property
-    def seed(self) -> int:
-        """The order's seed (any of torch's seeds, in [0, 2**64))."""
-        high, low = self._seed.tolist()
-        return high << 32 | low
-
-    @seed.setter
-    def seed(self, value: int) -> None:
-        self._seed[0], self._seed[1] = value >> 32, value & 0xFFFFFFFF
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def example(self) -> Any:
-        """The first sample of this rank's first partition: one to check against the model
-        without opening another machine's files."""
-        partition = self.pieces[0][0]
-        return self.files[self.files.starts[self.files.of_partition[partition][0]]]
-
-    def note(self) -> str | None:
-        """The line telling that unequal partitions leave more samples out of each epoch
-        than its last incomplete global batch, if they do."""
-        if self.dropped <= sum(self.sizes) % self.global_batch_size:
-            return None
-        return (
-            f"dtrain: {self.files.directory}: its partitions hold {min(self.sizes)} to "
-            f"{max(self.sizes)} samples and each step takes {self.part} of each, so the "
-            f"smallest decides: {self.steps} steps per epoch, {self.dropped} samples left out."
-        )
-
-    def __iter__(self) -> Iterator[Any]:
-        epoch, skip = self._where.tolist()
-        info = get_worker_info()
-        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
-        orders = {p: self.files.order(p, self.seed, epoch, self.shuffle) for p, _, _ in self.pieces}
-        for t in range(skip + worker, self.steps, workers):
-            at = t * self.part
-            ids = [i for p, lo, hi in self.pieces for i in orders[p][at + lo : at + hi].tolist()]
-            yield self.collate_fn([self.files[i] for i in ids])
-
-
-def shard_share(
-    files: ShardFiles,
-    batch_size: int,
-    dp_size: int,
-    dp_rank: int,
-    shuffle: bool,
-    seed: int,
-    loader_kwargs: dict[str, Any],
-) -> ShardShare:
-    """The `ShardShare` `engine.dataloader` iterates for `files` (training: drop_last); a
-    SetupError for a loader option that would reorder it. The DataLoader's `collate_fn`
-    (taken out of `loader_kwargs`) collates each share in the reader."""
-    for name in ("sampler", "batch_sampler"):
-        if loader_kwargs.get(name) is not None:
-            raise SetupError(
-                f"ShardFiles take no {name}: dtrain gives each worker its share of their "
-                f"global batches itself; leave out {name}."
-            )
-    if loader_kwargs.get("in_order") is False:
-        raise SetupError(
-            "in_order=False would let a rank train its batches of shard files out of order, "
-            "so the ranks of one step would mix different global batches; leave out in_order."
-        )
-    collate_fn = loader_kwargs.pop("collate_fn", None)
-    return ShardShare(files, batch_size, dp_size, dp_rank, shuffle, seed, collate_fn)
-
-
-def _runs(start: int, end: int, part: int) -> list[tuple[int, int, int]]:
-    """The positions [start, end) of a global batch made of one part of `part` samples per
-    partition, as (partition, first, end) runs within each partition's part."""
-    return [
-        (p, max(start - p * part, 0), min(end - p * part, part))
-        for p in range(start // part, (end - 1) // part + 1)
-    ]
-
-
-def _check_partitions(files: ShardFiles, global_batch: int, dp_size: int) -> None:
-    """A ConfigError if the global batch or the data-parallel ranks do not fit the
-    partitions: each step takes the same share of every partition, and each rank whole
-    partitions or a part of one."""
-    parts = files.partitions
-    if global_batch % parts:
-        raise ConfigError(
-            f"A global batch of {global_batch} does not split over the {parts} partitions of "
-            f"{files.directory} (each step takes as many samples from each); use a multiple "
-            f"of {parts}."
-        )
-    if dp_size % parts and parts % dp_size:
-        raise ConfigError(
-            f"{dp_size} data-parallel workers cannot read the {parts} partitions of "
-            f"{files.directory}: the workers must be a multiple or a divisor of the "
-            f"partitions, so that each reads whole partitions or a part of one; run a "
-            f"multiple or divisor of {parts} workers, or write the shards again with "
-            f"{dp_size} partitions."
-        )
-
-
 def _read_index(directory: Path) -> dict[str, Any]:
     """The checked ``index.json`` of `directory`, its numbers as ints: a ConfigError naming
     the file and the fix if it is missing or malformed. The shard files are checked where
@@ -458,36 +240,6 @@ class _Rows:
         return rows[0] if len(rows) == 1 else rows
 
 
-def _check_fits(sample: Any, format: str) -> None:  # noqa: A002 - as in write_shards
-    """A ConfigError if samples like `sample` would not come back as they went in: `npy`
-    holds one array per sample, `npz` a tuple of arrays; `pt` holds any sample."""
-    single = isinstance(sample, torch.Tensor | np.ndarray | int | float)
-    fields = isinstance(sample, tuple | list) and all(
-        isinstance(value, torch.Tensor | np.ndarray | int | float) for value in sample
-    )
-    if (format == "npy" and not single) or (format == "npz" and not fields):
-        wants = "one tensor or array" if format == "npy" else "a tuple of tensors or arrays"
-        raise ConfigError(
-            f"format={format!r} stores samples that are {wants}, and a sample here is a "
-            f"{type(sample).__name__}; write format='pt', which keeps any sample as it is"
-            f"{', or npz for (input, target) pairs' if format == 'npy' else ''}."
-        )
-
-
-def _write_pt(samples: list[Any], path: Path) -> None:
-    torch.save([_owned(sample) for sample in samples], path)
-
-
-def _write_npy(samples: list[Any], path: Path) -> None:
-    np.save(path, np.stack([np.asarray(sample) for sample in samples]))
-
-
-def _write_npz(samples: list[Any], path: Path) -> None:
-    fields = zip(*samples, strict=True)
-    with open(path, "wb") as f:  # np.savez would append .npz to a name it is given
-        np.savez(f, *[np.stack([np.asarray(value) for value in field]) for field in fields])
-
-
 def _read_pt(path: Path) -> list[Any]:
     return torch.load(path, weights_only=True)
 
@@ -501,22 +253,5 @@ def _read_npz(path: Path) -> _Rows:
         return _Rows([arrays[f"arr_{k}"] for k in range(len(arrays.files))])
 
 
-_WRITERS: dict[str, Callable[[list[Any], Path], None]] = {
-    "pt": _write_pt,
-    "npy": _write_npy,
-    "npz": _write_npz,
-}
 _READERS: dict[str, Decode] = {"pt": _read_pt, "npy": _read_npy, "npz": _read_npz}
 """Module-level functions, so that a ShardFiles pickles (DataLoader workers spawned)."""
-
-
-def _owned(sample: Any) -> Any:
-    """`sample` with each tensor copied: a view (a row of a TensorDataset) would save its
-    whole storage."""
-    if isinstance(sample, torch.Tensor):
-        return sample.clone()
-    if isinstance(sample, (tuple, list)):
-        return type(sample)(_owned(value) for value in sample)
-    if isinstance(sample, dict):
-        return {key: _owned(value) for key, value in sample.items()}
-    return sample

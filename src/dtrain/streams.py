@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torch.utils.data._utils import worker as _worker
 
+from dtrain.data import RankShare
 from dtrain.errors import ConfigError, SetupError
 
 _END = object()
@@ -34,7 +35,7 @@ def is_stream(dataset: Any) -> bool:
     )
 
 
-class StreamShare(IterableDataset):
+class StreamShare(IterableDataset, RankShare):
     """One data-parallel rank's share of each global batch of `dataset`, as whole batches
     (iterate it with a DataLoader of ``batch_size=None``, which `stream_loader` builds).
 
@@ -62,22 +63,14 @@ class StreamShare(IterableDataset):
         drop_last: bool,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
-        if batch_size < 1:
-            raise ConfigError(f"The batch size per worker must be at least 1, got {batch_size}.")
+        RankShare.__init__(self, batch_size, dp_size, dp_rank)
         self.dataset = dataset
-        self.batch_size = batch_size
-        self.dp_size = dp_size
-        self.dp_rank = dp_rank
         self.drop_last = drop_last
         self.collate_fn = collate_fn or default_collate
         # The epoch and the batches to skip, in shared memory: persistent DataLoader
         # workers keep the copy of this object they started with, and must see each epoch.
         self._where = torch.zeros(2, dtype=torch.int64).share_memory_()
 
-    @property
-    def global_batch_size(self) -> int:
-        """Samples consumed by one step over all data-parallel ranks."""
-        return self.batch_size * self.dp_size
 
     @property
     def epoch(self) -> int:
@@ -156,17 +149,7 @@ def stream_share(
             "as Hugging Face datasets' shuffle(seed=..., buffer_size=...)) and leave out "
             "shuffle or pass shuffle=False."
         )
-    for name in ("sampler", "batch_sampler"):
-        if loader_kwargs.get(name) is not None:
-            raise SetupError(
-                f"A stream takes no {name}: dtrain gives each worker its share of the "
-                f"stream's global batches itself; leave out {name}."
-            )
-    if loader_kwargs.get("in_order") is False:
-        raise SetupError(
-            "in_order=False would let a rank train its stream batches out of order, so the "
-            "ranks of one step would mix different global batches; leave out in_order."
-        )
+    refuse_reordering("A stream takes", "the stream's", loader_kwargs)
     sized = hasattr(dataset, "__len__")
     if not (drop_last or sized) and collective_forward and dp_size > 1:
         raise SetupError(
@@ -178,6 +161,23 @@ def stream_share(
     kind = SizedStreamShare if sized else StreamShare
     collate_fn = loader_kwargs.pop("collate_fn", None)
     return kind(dataset, batch_size, dp_size, dp_rank, drop_last, collate_fn)
+
+
+def refuse_reordering(takes: str, whose: str, loader_kwargs: dict[str, Any]) -> None:
+    """A SetupError for a DataLoader option that would reorder what dtrain splits itself
+    (a sampler, a batch sampler, in_order=False): `takes` names the data ("A stream
+    takes"), `whose` its batches' owner ("the stream's")."""
+    for name in ("sampler", "batch_sampler"):
+        if loader_kwargs.get(name) is not None:
+            raise SetupError(
+                f"{takes} no {name}: dtrain gives each worker its share of {whose} global "
+                f"batches itself; leave out {name}."
+            )
+    if loader_kwargs.get("in_order") is False:
+        raise SetupError(
+            f"in_order=False would let a rank train {whose} batches out of order, so the "
+            "ranks of one step would mix different global batches; leave out in_order."
+        )
 
 
 def as_is(batch: Any) -> Any:
