@@ -16,8 +16,9 @@ from torch.testing import assert_close
 from training import CLOSE, train, train_variants
 
 import dtrain
+from dtrain.checkpoint import rank_states
+from dtrain.checkpoint.convert import convert
 from dtrain.checkpoint.format import TRAINER_FILE
-from dtrain.checkpointing import POWERSGD_KEY
 from dtrain.config import grad_compression
 from dtrain.errors import ConfigError
 
@@ -176,10 +177,25 @@ def test_powersgd_state_resumes_exactly(runs: tuple[dict[str, Any], Path]) -> No
     # the parameters by ~1e-3.
     assert_close(resumed, whole)
     assert_close(results["resume_sharded"], whole)
-    states = torch.load(checkpoint / TRAINER_FILE, weights_only=True)[POWERSGD_KEY]
+    # The consolidated checkpoint gathers every rank's state into its trainer file.
+    trainer = torch.load(checkpoint / TRAINER_FILE, weights_only=True)
+    states = [s["powersgd"] for s in trainer[rank_states.LISTED]]
     assert [s["world_size"] for s in states] == [4] * 4 and states[0]["iter"] == 4
     first, second = (s["errors"]["net.3.weight"] for s in states[:2])
     assert not torch.equal(first, second)
+    # The sharded one keeps each rank's as that rank's own entry, and says so.
+    sharded = checkpoint.with_name(f"{checkpoint.name}-sharded")
+    trainer = torch.load(sharded / TRAINER_FILE, weights_only=True)
+    assert rank_states.LISTED not in trainer and trainer[rank_states.WRITTEN] == 4
+    own, rank_0 = rank_states.own_and_first(sharded, trainer, 1, 4)
+    assert own is not None and rank_0 is not None
+    assert_close(own["powersgd"]["errors"]["net.3.weight"], second)
+    assert_close(rank_0["powersgd"]["errors"]["net.3.weight"], first)
+    # `ckpt convert` gathers the entries into the consolidated layout's list.
+    converted = sharded.with_name("converted")
+    convert(sharded, converted)
+    trainer = torch.load(converted / TRAINER_FILE, weights_only=True)
+    assert [s["powersgd"]["iter"] for s in trainer[rank_states.LISTED]] == [4] * 4
     assert "holds no PowerSGD state of 4 processes at rank 4" in results["restart"]
 
 

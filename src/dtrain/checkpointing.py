@@ -16,6 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from dtrain import advice, checkpoint, rng
+from dtrain.checkpoint import rank_states
 from dtrain.checkpoint.atomic import clean_leftovers
 from dtrain.checkpoint.directory import problems_of
 from dtrain.checkpoint.flat_optimizer import merge_groups
@@ -28,7 +29,7 @@ from dtrain.checkpoint.format import (
 )
 from dtrain.checkpoint.lazy import LazyTensors
 from dtrain.checkpoint.plain import read_model_state
-from dtrain.checkpoint.sharded import ShardedWriter, local_part
+from dtrain.checkpoint.sharded import Part, ShardedWriter, local_part
 from dtrain.checkpoint.sharded_load import load_sharded
 from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
@@ -39,9 +40,6 @@ from dtrain.parallel.compression import powersgd_of
 from dtrain.position import Position
 from dtrain.precision import LossScaling
 from dtrain.strategies.base import Strategy
-
-POWERSGD_KEY = "powersgd_per_rank"
-"""The trainer file's list of every rank's PowerSGD state (`dtrain.parallel.compression`)."""
 
 
 class Checkpoints:
@@ -108,7 +106,6 @@ class Checkpoints:
         }
         # The same on every rank: the ranks agree on every skipped step.
         scaler = {"loss_scaler": self.loss_scaling.state_dict()} if self.loss_scaling else {}
-        compression = self._powersgd_states()
         info = {
             **position,
             "strategy": self.strategy.name,
@@ -125,9 +122,7 @@ class Checkpoints:
                 checkpoint.prune(path.parent, keep, written=path)
 
         group = self.strategy.train_group
-        # Replicas that train apart (local-sgd): every rank's own state, for an exact resume.
-        replica = self.strategy.replica_state(self.optimizer)
-        replicas = {} if replica is None else {"replica_states": gather_to_main(replica, group)}
+        own = self._own_state()
         if self.strategy.config.checkpoint_format == "sharded":
             part = local_part(self.strategy, self.optimizer)
             everyone = gather_objects((rng.get_state(), part.groups), group)
@@ -137,13 +132,13 @@ class Checkpoints:
                 "rng_per_rank": [state for state, _ in everyone],
                 "optimizer_groups": merge_groups([groups for _, groups in everyone]),
                 **scaler,
-                **replicas,
-                **compression,
+                **self._own_states(own, part),
             }
             self._sharded.save(path, part, trainer, info, committed)
             return
         tensors, optimizer_state = self.strategy.full_state(self.optimizer)
         rng_states = gather_objects(rng.get_state(), group)
+        owns = self._own_states(own, None)
 
         def write() -> None:
             assert tensors is not None
@@ -152,8 +147,7 @@ class Checkpoints:
                 "shuffle_seed": self.position.shuffle_seed,
                 "rng_per_rank": rng_states,
                 **scaler,
-                **replicas,
-                **compression,
+                **owns,
             }
             checkpoint.write(path, tensors, optimizer_state, trainer, info)
             committed()
@@ -161,25 +155,40 @@ class Checkpoints:
         # The other ranks wait for it, and raise its error (a full disk) if it fails.
         decided_by_main(write, group, self.is_main)
 
-    def _powersgd_states(self) -> dict[str, Any]:
-        """Under --grad-compression powersgd, every rank's PowerSGD state (its own error
-        feedback) for the trainer file, gathered to the main rank (collective)."""
+    def _own_state(self) -> dict[str, Any] | None:
+        """What this rank trains apart from the others: its replica between syncs
+        (local-sgd) and its PowerSGD error feedback; None, alike on every rank, if
+        neither."""
+        replica = self.strategy.replica_state(self.optimizer)
         powersgd = powersgd_of(self.strategy.model)
-        if powersgd is None:
-            return {}
-        return {POWERSGD_KEY: gather_to_main(powersgd.state_dict(), self.strategy.train_group)}
+        if replica is None and powersgd is None:
+            return None
+        return {"replica": replica, "powersgd": powersgd.state_dict() if powersgd else None}
 
-    def _load_powersgd(self, path: Path, trainer: dict[str, Any]) -> None:
-        """Continue each rank's PowerSGD state from the checkpoint; where the checkpoint
-        holds none for this job (another world size or PowerSGD rank, or none saved), warn
-        and let PowerSGD start afresh: two whole steps, then compression with no error
-        feedback carried over (another job's errors belong to other ranks' gradients)."""
+    def _own_states(self, own: dict[str, Any] | None, part: Part | None) -> dict[str, Any]:
+        """The trainer file's record of every rank's `own` state: under a sharded `part`
+        that every rank writes, `own` goes into it as this rank's entry; else the states
+        are gathered to the main rank, which writes them all (collective)."""
+        if own is None:
+            return {}
+        group = self.strategy.train_group
+        me, ranks = rank_in(group)
+        if part is not None and not part.alone:
+            part.state[rank_states.entry_key(me)] = rank_states.as_entry(own)
+            return {rank_states.WRITTEN: ranks}
+        return {rank_states.LISTED: gather_to_main(own, group)}
+
+    def _load_powersgd(self, path: Path, mine: dict[str, Any] | None) -> None:
+        """Continue this rank's PowerSGD state from `mine` (its own state in the
+        checkpoint); where the checkpoint holds none for this job (another world size or
+        PowerSGD rank, or none saved), warn and let PowerSGD start afresh: two whole steps,
+        then compression with no error feedback carried over (another job's errors belong
+        to other ranks' gradients)."""
         powersgd = powersgd_of(self.strategy.model)
         if powersgd is None:
             return
-        states = trainer.get(POWERSGD_KEY) or []
-        me, ranks = rank_in(self.strategy.train_group)
-        mine = states[me] if len(states) == ranks else None
+        mine = mine.get("powersgd") if mine else None
+        ranks = rank_in(self.strategy.train_group)[1]
         if powersgd.fits(mine):
             powersgd.load_state_dict(mine)
             return
@@ -308,17 +317,19 @@ class Checkpoints:
         if rng_states:
             # Same number of processes: every rank continues its own streams; else rank 0's.
             rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
-        replicas = trainer.get("replica_states") or []
-        if replicas and not skipped:
+        mine, first = rank_states.own_and_first(path, trainer, me, ranks)
+        replica = first.get("replica") if first else None
+        if replica is not None and not skipped:
             # At another number of ranks every replica goes on from the saved model.
-            mine = replicas[me] if len(replicas) == ranks else None
-            self.strategy.load_replica_state(mine, replicas[0], self.optimizer)
-            if mine is None and replicas[0].get("since_sync"):
+            own = mine["replica"] if mine else None
+            self.strategy.load_replica_state(own, replica, self.optimizer)
+            if own is None and replica.get("since_sync"):
                 self.print(
-                    f"dtrain: note: {path} was saved by {len(replicas)} replicas between two "
-                    f"syncs; the {ranks} replicas now start from their mean, as after a sync."
+                    f"dtrain: note: {path} was saved by replicas between two syncs at another "
+                    f"number of ranks; the {ranks} replicas now start from their mean, as "
+                    "after a sync."
                 )
-        self._load_powersgd(path, trainer)
+        self._load_powersgd(path, mine)
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
         return manifest
 

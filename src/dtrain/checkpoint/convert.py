@@ -14,6 +14,7 @@ from dtrain.checkpoint.format import (
     write,
 )
 from dtrain.checkpoint.plain import read_model_state, write_plain
+from dtrain.checkpoint.rank_states import gathered
 from dtrain.checkpoint.sharded_load import read_whole
 from dtrain.checkpoint.verify import verify
 from dtrain.errors import CheckpointError
@@ -60,7 +61,7 @@ def convert(src: Path, dst: Path) -> str:
 
 def _consolidate(src: Path, dst: Path, manifest: dict) -> str:
     """Write the sharded checkpoint `src` as the consolidated checkpoint `dst`."""
-    trainer = read_pt(src, TRAINER_FILE) or {}
+    trainer = gathered(src, read_pt(src, TRAINER_FILE) or {})
     tensors, optimizer_state = read_whole(src, trainer.pop("optimizer_groups", None))
     info = {k: v for k, v in manifest.items() if k not in _FILE_FIELDS}
     write(dst, tensors, optimizer_state, trainer, {**info, "source": str(src)})

@@ -13,6 +13,7 @@ state beside torch.distributed.checkpoint's files instead of the model and optim
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import pickle
@@ -229,20 +230,21 @@ def read_pt(path: Path, name: str, mmap: bool = False) -> Any:
     return load_pt(file, "Load checkpoints written by code you trust.", mmap)
 
 
-def load_pt(file: Path, advice: str, mmap: bool = False) -> Any:
-    """`torch.load` of `file` with weights_only=True, on the CPU; a CheckpointError if it
-    is no PyTorch file, or holds objects other than tensors and plain values (then the
-    message ends with `advice`)."""
+def load_pt(file: Path | io.BytesIO, advice: str, mmap: bool = False, what: str = "") -> Any:
+    """`torch.load` of `file` (a path, or bytes in memory that errors call `what`) with
+    weights_only=True, on the CPU; a CheckpointError if it is no PyTorch file, or holds
+    objects other than tensors and plain values (then the message ends with `advice`)."""
+    what = what or str(file)
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
-            f"{file} holds Python objects that dtrain will not unpickle, since unpickling can "
+            f"{what} holds Python objects that dtrain will not unpickle, since unpickling can "
             f"run arbitrary code ({str(e).splitlines()[0]}). {advice}"
         ) from None
     except (RuntimeError, EOFError) as e:
         raise CheckpointError(
-            f"{file} cannot be read as a PyTorch file ({e}); it may be truncated or corrupt."
+            f"{what} cannot be read as a PyTorch file ({e}); it may be truncated or corrupt."
         ) from None
 
 
