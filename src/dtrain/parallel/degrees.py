@@ -81,11 +81,9 @@ def degrees_for(
 
     `pipeline` is pp only and `tensor` tp only (their degree defaults to --nproc); `hybrid`
     combines them, with dp defaulting to what is left of --nproc, replicated for
-    ``dp_mode`` ddp and sharded for zero2/zero3.
+    ``dp_mode`` ddp and sharded for zero2/zero3. A degree given is at least 1 (Config
+    refuses less).
     """
-    for flag, value in (("--dp", dp), ("--pp", pp), ("--tp", tp)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}.")
     if strategy == "pipeline":
         _only(strategy, "--pp", {"--dp": dp, "--tp": tp})
         degrees = Degrees(pp=pp or nproc)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dtrain.config import Config
+from dtrain.config_rules.parallelism import pipeline_flags
 from dtrain.errors import ConfigError
 from dtrain.names import unknown_strategy
 from dtrain.parallel.degrees import Degrees, check_schedule, degrees_for, microbatches
@@ -239,16 +240,9 @@ class ModelParallelSpec(MeshSpec):
                 "for dp > 1 in --nproc, or drop --dp-mode."
             )
         if not degrees.pp_enabled:
-            given = [
-                flag
-                for flag, value in (
-                    ("--microbatches", config.microbatches),
-                    ("--split-points", config.split_points),
-                    ("--virtual-stages", config.virtual_stages),
-                    ("--schedule", None if config.schedule == "1f1b" else config.schedule),
-                )
-                if value
-            ]
+            # Config lets these through for pipeline, tensor and hybrid; whether the layout
+            # has a pipeline depends on the degrees, which depend on the number of processes
+            given = pipeline_flags(config)
             if given:
                 fix = "--strategy hybrid with --pp" if self.name == "tensor" else "--pp"
                 raise ConfigError(
