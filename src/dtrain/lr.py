@@ -4,7 +4,7 @@ Growing the global batch calls for a larger learning rate. Relative to a referen
 b0 at learning rate lr0, a global batch B gets:
 
 * ``linear``: lr0 * B / b0 (Goyal et al. 2017), with a gradual warmup from lr0;
-* ``sqrt``:   lr0 * sqrt(B / b0) (the seeds' example: batch 100 at lr 0.001 on one GPU
+* ``sqrt``:   lr0 * sqrt(B / b0) (Krizhevsky 2014; batch 100 at lr 0.001 on one GPU
   becomes batch 400 at lr 0.002 on four);
 * ``none``:   lr0.
 """
