@@ -35,6 +35,7 @@ from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
 from dtrain.collectives import gather_objects, gather_to_main, rank_in
 from dtrain.errors import CheckpointError
+from dtrain.observe.events import Observer, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.parallel.compression import powersgd_of
 from dtrain.position import Position
@@ -42,21 +43,32 @@ from dtrain.precision import LossScaling
 from dtrain.strategies.base import Strategy
 
 
-class Checkpoints:
-    """save / load / resume of one Engine's strategy, optimizer and position."""
+class Checkpoints(Observer):
+    """save / load / resume of one Engine's strategy, optimizer and position (it observes
+    the Engine's setup, which makes the optimizer).
 
-    def __init__(self, strategy: Strategy, position: Position) -> None:
+    Args:
+        strategy: gathers and scatters the states.
+        position: where training stands, saved and restored.
+        loss_scaling: fp16-mixed's loss scale, saved and restored with the trainer state.
+    """
+
+    def __init__(
+        self, strategy: Strategy, position: Position, loss_scaling: LossScaling | None
+    ) -> None:
         self.strategy = strategy
         self.position = position
+        self.loss_scaling = loss_scaling
         self.last_path: Path | None = None
         """The newest checkpoint this process saw complete."""
         self.optimizer: Optimizer | None = None
-        """The optimizer the loop steps (set by `engine.setup`)."""
-        self.loss_scaling: LossScaling | None = None
-        """fp16-mixed's loss scale, saved and restored with the trainer state."""
+        """The optimizer the loop steps (from `engine.setup`)."""
         self._sharded = ShardedWriter(strategy)
         self._cleaned: set[Path] = set()
         """The folders where this run removed earlier attempts' interrupted writes."""
+
+    def on_setup(self, run: Run) -> None:
+        self.optimizer = run.optimizer
 
     @property
     def is_main(self) -> bool:

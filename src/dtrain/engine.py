@@ -24,18 +24,18 @@ from torch.utils.data import DataLoader, Dataset
 
 from dtrain.batches import LossFn, batch_size, split, to_device
 from dtrain.checkpointing import Checkpoints
-from dtrain.collectives import barrier, gather_objects
+from dtrain.collectives import barrier
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, ConfigError, SetupError
 from dtrain.evaluation import evaluation_sums, shortfall
 from dtrain.feeding import Feeder
+from dtrain.observe.events import End, Observers, Run
 from dtrain.observe.logs import LOGGER, log_to_file
-from dtrain.observe.loss import LossWatch
 from dtrain.observe.loss_reads import LossReads
-from dtrain.observe.memory import InStep, gradient_bytes, optimizer_bytes, parameter_bytes
-from dtrain.observe.metrics import format_memory
-from dtrain.observe.progress import Throughput, steady_rate
+from dtrain.observe.memory import MemoryReport
+from dtrain.observe.progress import Throughput
 from dtrain.observe.report import RunReport
+from dtrain.observe.summary import RunSummary
 from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal
 from dtrain.parallel import materialize
@@ -58,11 +58,17 @@ class Engine:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.position = Position()
-        self.checkpoints = Checkpoints(strategy, self.position)
         self.throughput = Throughput()
         self._closed = False
         close_at_exit(self)
-        self._watch = LossWatch(config.log_every)
+        self.loss_scaling: LossScaling | None = None
+        """fp16-mixed's loss scale and its count of skipped steps (None otherwise)."""
+        if config.precision == "fp16-mixed":
+            distributed = strategy.spec.multiprocess and dist.is_initialized()
+            self.loss_scaling = LossScaling(
+                strategy.input_device, strategy.train_group, distributed
+            )
+        self.checkpoints = Checkpoints(strategy, self.position, self.loss_scaling)
         self._feeder = Feeder(
             strategy.dp_size,
             strategy.dp_rank,
@@ -74,27 +80,31 @@ class Engine:
         )
         self.report = RunReport(config, topology.is_main)
         """The metric logs (--logger) and the results JSON (--metrics-json)."""
-        self.timing = RunTiming(config, topology.device)
+        self.timing = RunTiming(
+            config, topology.device, topology.is_main, strategy.spec.exchange_in_step
+        )
         """Where each step's time goes (the breakdown, diagnosis and trace)."""
-        self._reads = LossReads(self._watch, self.report, self.throughput, self.timing.timer)
+        self._loss = LossReads(config.log_every, self.report, self.throughput, self.timing.timer)
+        self._memory = MemoryReport(config.memory_report, topology.rank, topology.is_main)
+        # The strategy marks the end of each micro-batch's forward and scales its loss.
+        strategy.timer, strategy.loss_scaling = self.timing.timer, self.loss_scaling
+        summary = RunSummary(
+            config,
+            self.report,
+            self.throughput,
+            self.position,
+            self.timing,
+            self.loss_scaling,
+            strategy.dp_size,
+            topology.is_main,
+        )
+        self.observers = Observers(
+            [self.checkpoints, self.report, self._loss, self.timing, self._memory, summary]
+        )
+        """What watches the steps, told each step event in this order (see
+        `dtrain.observe.events`); append an `Observer` to watch them too."""
         self._step_refusal: SetupError | None = None
         """Why train_step cannot step the optimizer (one that needs a closure), if so."""
-        self._stepping = False
-        """True inside train_step's optimizer step (which reads the loss before it)."""
-        self.grad_norm: torch.Tensor | None = None
-        """The gradient norm before the last clipping (on the device), for the logs."""
-        self.memory: dict[str, int] | None = None
-        """Model-state bytes of this rank after its first step (with memory_report)."""
-        self._memory_report: list[dict[str, int]] | None = None
-        """Every rank's `memory`, once gathered after the first step."""
-        self._step_samples = 0
-        """Samples of the last `train_step` over every data-parallel worker."""
-        self.loss_scaling: LossScaling | None = None
-        """fp16-mixed's loss scale and its count of skipped steps (None otherwise)."""
-        if config.precision == "fp16-mixed":
-            distributed = strategy.spec.multiprocess and dist.is_initialized()
-            scaling = LossScaling(strategy.input_device, strategy.train_group, distributed)
-            self.loss_scaling = strategy.loss_scaling = self.checkpoints.loss_scaling = scaling
         self._empty_rng: torch.Tensor | None = None
         """The CPU random state when `init_empty` was last entered."""
 
@@ -206,18 +216,14 @@ class Engine:
         )
         self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
-        self.checkpoints.optimizer = optimizer
         if optimizer is not None:
+            # Before the observers' own hooks: a step is counted before it is timed.
             optimizer.register_step_post_hook(self._count_step)
             if self.loss_scaling is not None:
                 self.loss_scaling.wrap_step(optimizer, self._skipped_step)
-        self.strategy.timer = self.timing.timer
-        self.timing.start(
-            self.strategy.unwrap(),
-            optimizer,
-            self.strategy.train_group,
-            self.strategy.spec.exchange_in_step,
-            lambda: self._stepping,
+        strategy = self.strategy
+        self.observers.on_setup(
+            Run(strategy.unwrap(), self.model, optimizer, strategy.train_group, strategy.lockstep)
         )
         layout = self.strategy.layout_text
         lrs = sorted({g["lr"] for g in optimizer.param_groups}) if optimizer else []
@@ -234,13 +240,7 @@ class Engine:
     def _count_step(self, *_: Any) -> None:
         self.position.step += 1
         self.position.samples_in_epoch += self.position.samples_per_step
-        if self._stepping:
-            return
-        # A hand-written loop: its step's samples are those its forwards computed.
-        samples = self.timing.take_forward_samples() * self.strategy.dp_size
-        self._step_samples = samples or self._step_samples
-        if self.position.step % self.config.log_every == 0:
-            self._read_loss()  # read after its step
+        self.observers.on_optimizer_step(self.position.step)
 
     def _skipped_step(self, hooks_ran: bool) -> None:
         """An fp16-mixed step skipped on every rank (a gradient overflowed): it counts as
@@ -330,10 +330,10 @@ class Engine:
             loader,
             epoch,
             desc or f"epoch {epoch}",
-            loss=lambda: self._watch.last,
+            loss=lambda: self._loss.last,
             waited=self.timing.timer.data_wait,
             # the epoch's last steps, read before anything is saved and the bar closes
-            finish=lambda: self._read_loss() if self._watch.unread else None,
+            finish=self._loss.flush,
         )
 
     # -- training -------------------------------------------------------------------------
@@ -361,8 +361,18 @@ class Engine:
             raise SetupError("engine.train_step needs an optimizer; pass it to engine.setup.")
         if self._step_refusal is not None:
             raise self._step_refusal
-        timer = self.timing.timer
-        timer.begin_step(self.step + 1)
+        step = self.step + 1
+        loss = None
+        self.observers.on_step_start(step)
+        try:
+            loss = self._step(step, batch, loss_fn, self.optimizer)
+            return loss
+        finally:
+            self.observers.on_step_end(step, loss)  # also when the step raised (loss None)
+
+    def _step(
+        self, step: int, batch: Any, loss_fn: LossFn | None, optimizer: torch.optim.Optimizer
+    ) -> torch.Tensor:
         batch = self.to_device(batch)
         k = self.config.grad_accumulation
         total = batch_size(batch)
@@ -371,41 +381,23 @@ class Engine:
                 f"A batch of {total} sample(s) cannot be cut into --grad-accumulation {k} "
                 "micro-batches; use a larger batch or fewer micro-batches."
             )
-        measure = self.config.memory_report and self.memory is None
         if self.loss_scaling is not None:
             self.loss_scaling.backward()
         mean: torch.Tensor | int = 0
-        with InStep(self.strategy.unwrap(), measure).watching() as held:
-            for i, part in enumerate(split(batch, k) if k > 1 else [batch]):
-                sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
-                weight = batch_size(part) / total if k > 1 else 1.0
-                timer.begin_micro()
-                with sync:
-                    loss = self.strategy.forward_backward(part, loss_fn, weight)
-                timer.end_micro()
-                mean = loss if k == 1 else mean + loss * weight
-                held.read()
+        for i, part in enumerate(split(batch, k) if k > 1 else [batch]):
+            sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
+            weight = batch_size(part) / total if k > 1 else 1.0
+            self.observers.on_micro_start(part)
+            with sync:
+                loss = self.strategy.forward_backward(part, loss_fn, weight)
+            self.observers.on_micro_end()
+            mean = loss if k == 1 else mean + loss * weight
         assert isinstance(mean, torch.Tensor)
-        self.timing.per_device_batch = batch_size(part)
-        self._step_samples = total * self.strategy.dp_size
-        self._watch.record(mean, self.step + 1)
-        grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
-        if (self.step + 1) % self.config.log_every == 0:
-            self._read_loss()  # before the update: a non-finite loss never reaches it
-        timer.optimizer_mark()
+        self.observers.on_gradients(step, mean)
         if self.config.clip_grad_norm is not None:
             self.clip_grad_norm_(self.config.clip_grad_norm)
-        self._stepping = True
-        self.optimizer.step()
-        self._stepping = False
-        if measure:
-            self.memory = {
-                "parameters": parameter_bytes(self.strategy.unwrap()),
-                "parameters_in_step": held.peak,
-                "gradients": grads,
-                "optimizer": optimizer_bytes(self.optimizer),
-            }
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return mean
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -428,7 +420,7 @@ class Engine:
             )
         self.unscale_gradients()
         norm = self.strategy.clip_grad_norm_(max_norm)
-        self.grad_norm = norm
+        self.observers.on_grad_norm(norm)
         return norm
 
     def unscale_gradients(self) -> None:
@@ -442,10 +434,10 @@ class Engine:
         if self.loss_scaling is not None and self.optimizer is not None:
             self.loss_scaling.unscale_(self.optimizer)
 
-    def _read_loss(self) -> float | None:
-        return self._reads.read(
-            self.strategy.train_group, self.strategy.lockstep, self.optimizer, self.grad_norm
-        )
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The gradient norm before the last clipping (on the device), for the logs."""
+        return self._loss.grad_norm
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Add the script's own `metrics` (name -> number) to the metric logs (--logger) at
@@ -457,21 +449,23 @@ class Engine:
         on every rank); raises NonFiniteLossError if a loss since the last read was NaN or
         infinite. The Engine calls it every ``log_every`` steps and before checkpoints."""
         self._require_setup("engine.check_loss")
-        return self._read_loss()
+        return self._loss.read()
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """bf16 or fp16 autocast for --precision bf16-mixed or fp16-mixed, unless the
         strategy applies it itself."""
         return self.strategy.autocast()
 
+    @property
+    def memory(self) -> dict[str, int] | None:
+        """Model-state bytes of this rank after its first step (with memory_report)."""
+        return self._memory.memory
+
     def memory_report(self) -> list[dict[str, int]]:
         """Every rank's model-state bytes, measured at the first step (needs
         ``memory_report=True``); collective the first time after that step, then kept (the
         figures do not change), so the metrics JSON at close reuses a script's own call."""
-        if self._memory_report is None or self.memory is None:
-            mine = dict(self.memory or {}, rank=self.rank)
-            self._memory_report = gather_objects(mine, self.strategy.train_group)
-        return self._memory_report
+        return self._memory.report()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and synchronise gradients as the strategy requires (for
@@ -480,15 +474,11 @@ class Engine:
         `setup` returned starts a step's micro-batch, and this call ends its forward).
         Under fp16-mixed the loss is multiplied by the loss scale first."""
         self._require_setup("engine.backward")
-        self._watch.record(loss, self.step + 1)
-        timer = self.timing.timer
-        timer.forward_done()
+        self.observers.on_backward_start(self.step + 1, loss)
         if self.loss_scaling is not None:
             self.loss_scaling.backward()
         self.strategy.backward(self.strategy.scaled(loss))
-        timer.end_micro()
-        assert self.model is not None
-        self.timing.watch_forwards(self.model)
+        self.observers.on_backward_end()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Inside this block, backward accumulates gradients without synchronising."""
@@ -553,18 +543,16 @@ class Engine:
                 beside it.
         """
         self._require_setup("engine.save")
-        if self._watch.unread:
-            self._read_loss()  # a non-finite loss must never reach a checkpoint
+        self._loss.flush()  # a non-finite loss must never reach a checkpoint
         self.checkpoints.save(path, epoch, extra, keep)
 
     def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint written under any strategy and world size, or a plain
         PyTorch / safetensors file; return its manifest (see :meth:`Checkpoints.load`)."""
         self._require_setup("engine.load")
-        if self._watch.unread:
-            self._read_loss()  # the steps before the load are checked before they are left
+        self._loss.flush()  # the steps before the load are checked before they are left
         manifest = self.checkpoints.load(path, strict)
-        self.report.resumed_at = self.step
+        self.observers.on_resume(self.step)
         return manifest
 
     def resume(self, root: str | Path) -> dict[str, Any] | None:
@@ -572,7 +560,7 @@ class Engine:
         self._require_setup("engine.resume")
         manifest = self.checkpoints.resume(root)
         if manifest is not None:
-            self.report.resumed_at = self.step
+            self.observers.on_resume(self.step)
         return manifest
 
     # -- collectives and teardown ---------------------------------------------------------
@@ -610,52 +598,18 @@ class Engine:
             self.checkpoints.finish()
         except CheckpointError as e:
             save_error = e  # raised once the rest of close is done
-        summary: dict[str, Any] = {}
-        if self.model is not None and not failed:  # collectives: every rank got here
-            summary = self.timing.finish(self.strategy.train_group, self.is_main)
-            if self.config.memory_report:
-                summary["memory"] = self.memory_report()
-                self.print(f"dtrain: model state per rank\n{format_memory(summary['memory'])}")
-        # The epoch's global batch (engine.progress), else what train_step saw.
-        batch = self.position.samples_per_step or self._step_samples
-        if batch:
-            summary["global_batch_size"] = batch
-        rate = self.throughput.samples_per_second
-        if not self.throughput.seconds:
-            rate = steady_rate(summary) or rate  # a loop without engine.progress
-        scaling = self.loss_scaling
-        if scaling is not None:
-            summary["skipped_steps"] = scaling.skipped
-            summary["loss_scale"] = scaling.scale_value
-        if self.config.grad_compression != "none":
-            summary["grad_compression"] = self.config.grad_compression
-        metrics_path = self.report.finish(
-            {
-                **summary,
-                "strategy": self.strategy.name,
-                "world_size": self.world_size,
-                "steps": self.step,
-                "train_loss": self._watch.last,
-                "samples_per_second": rate,
-            }
-        )
-        if self.step:
-            self.print(
-                f"dtrain: {self.step} steps"
-                + (
-                    f" ({scaling.skipped} skipped: fp16 gradients overflowed)"
-                    if scaling is not None and scaling.skipped
-                    else ""
-                )
-                + (f", {rate:,.0f} samples/s" if rate else "")
-                + (
-                    f", last checkpoint {self.checkpoints.last_path}"
-                    if self.checkpoints.last_path
-                    else ""
-                )
-                + (f", metrics in {metrics_path}" if metrics_path else "")
-                + "."
+        self.observers.on_close(
+            End(
+                together=self.model is not None and not failed,  # collectives allowed
+                steps=self.step,
+                last_checkpoint=self.checkpoints.last_path,
+                results={
+                    "strategy": self.strategy.name,
+                    "world_size": self.world_size,
+                    "steps": self.step,
+                },
             )
+        )
         wrapped = weakref.ref(self.model) if self.model is not None else None
         self.model = None
         self.strategy.close()

@@ -11,66 +11,97 @@ import torch.distributed as dist
 
 from dtrain.errors import NonFiniteLossError
 from dtrain.observe.breakdown import StepTimer
+from dtrain.observe.events import End, Observer, Run
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.progress import Throughput
 from dtrain.observe.report import RunReport
 
 
-class LossReads:
-    """Reads of the watched loss, and what each read writes to the logs.
+class LossReads(Observer):
+    """Each step's loss, watched on the device and read back every `log_every` steps
+    (before that step's update, so that a non-finite loss never reaches the parameters),
+    and what each read writes to the logs.
 
     Args:
-        watch: the losses kept on the device between reads.
+        log_every: steps between reads (--log-every).
         report: the metric logs (main rank).
         throughput: samples/s for the logs.
         timer: the step timer, whose marks are done once a read has waited for the device.
     """
 
     def __init__(
-        self, watch: LossWatch, report: RunReport, throughput: Throughput, timer: StepTimer
+        self, log_every: int, report: RunReport, throughput: Throughput, timer: StepTimer
     ) -> None:
-        self.watch = watch
+        self.log_every = log_every
+        self.watch = LossWatch(log_every)
         self.report = report
         self.throughput = throughput
         self.timer = timer
+        self.grad_norm: torch.Tensor | None = None
+        """The gradient norm before the last clipping (on the device), for the logs."""
+        self._run: Run | None = None
 
-    def read(
-        self,
-        group: dist.ProcessGroup | None,
-        lockstep: bool,
-        optimizer: torch.optim.Optimizer | None,
-        grad_norm: torch.Tensor | None,
-    ) -> float | None:
-        """Read the watched loss back from the device (a collective over `group` when the
-        strategy's ranks step in `lockstep`) and log it; on a non-finite loss, clear the
+    @property
+    def last(self) -> float | None:
+        """The last loss read back (what the progress bar shows)."""
+        return self.watch.last
+
+    def on_setup(self, run: Run) -> None:
+        self._run = run
+
+    def on_gradients(self, step: int, loss: torch.Tensor) -> None:
+        self.watch.record(loss, step)
+        if step % self.log_every == 0:
+            self.read()  # before the update: a non-finite loss never reaches it
+
+    def on_grad_norm(self, norm: torch.Tensor) -> None:
+        self.grad_norm = norm
+
+    def on_backward_start(self, step: int, loss: torch.Tensor) -> None:
+        self.watch.record(loss, step)
+
+    def on_loop_step(self, step: int) -> None:
+        if step % self.log_every == 0:
+            self.read()  # read after its step
+
+    def on_close(self, end: End) -> None:
+        end.results["train_loss"] = self.watch.last
+
+    def flush(self) -> None:
+        """Read the losses recorded since the last read, if any (before a checkpoint is
+        written or left, and at the end of an epoch)."""
+        if self.watch.unread:
+            self.read()
+
+    def read(self) -> float | None:
+        """Read the watched loss back from the device (a collective over the training
+        processes when they step in lockstep) and log it; on a non-finite loss, clear the
         gradients and raise."""
+        run = self._run
+        optimizer = run.optimizer if run is not None else None
         watch = self.watch
         fresh = watch.unread
         try:
-            loss = watch.read(group, lockstep and dist.is_initialized())
+            loss = watch.read(
+                run.group if run else None, bool(run and run.lockstep) and dist.is_initialized()
+            )
         except NonFiniteLossError:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
             raise
         if fresh and loss is not None and self.report.is_main:
-            self._log(loss, watch.last_step, optimizer, grad_norm)
+            self._log(loss, watch.last_step, optimizer)
         self.timer.collect()  # the read waited for the device: the marks are done
         return loss
 
-    def _log(
-        self,
-        loss: float,
-        step: int,
-        optimizer: torch.optim.Optimizer | None,
-        grad_norm: torch.Tensor | None,
-    ) -> None:
+    def _log(self, loss: float, step: int, optimizer: torch.optim.Optimizer | None) -> None:
         metrics = {
             "train/loss": loss,
             "train/samples_per_second": self.throughput.samples_per_second,
         }
         if optimizer is not None:
             metrics["train/lr"] = float(optimizer.param_groups[0]["lr"])
-        norm = float(grad_norm) if grad_norm is not None else math.nan
+        norm = float(self.grad_norm) if self.grad_norm is not None else math.nan
         if math.isfinite(norm):  # sync ps clips on the servers, which keep the norm
             metrics["train/grad_norm"] = norm
         self.report.log(metrics, step)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.config import Config
+from dtrain.observe.events import Observer
 from dtrain.observe.metrics import write_metrics
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ DEFAULT_OUT = "runs/dtrain"
 """Where `dtrain run` writes logs and metrics when --out is not given."""
 
 
-class RunReport:
+class RunReport(Observer):
     """The main rank's metric logs and results; on other ranks every call does nothing.
 
     Args:
@@ -33,7 +34,7 @@ class RunReport:
         self.started = time.perf_counter()
         self.results: dict[str, Any] = {}
         """Keys the script adds to (or overrides in) the metrics JSON."""
-        self.resumed_at: int | None = None
+        self._resumed_at: int | None = None
         """The step a loaded checkpoint ended at: an earlier run's points after it are
         dropped from the logs when they are opened."""
         self._names = config.logger if is_main else None
@@ -42,6 +43,9 @@ class RunReport:
             from dtrain.observe.loggers import check_loggers
 
             check_loggers(config.logger)  # every rank: a missing package stops them all
+
+    def on_resume(self, step: int) -> None:
+        self._resumed_at = step
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Write `metrics` (name -> number) at `step` to the metric logs (opened at the
@@ -52,7 +56,7 @@ class RunReport:
             # Imported only when asked for: TensorBoard's writer is slow to import.
             from dtrain.observe.loggers import open_loggers
 
-            self._logger = open_loggers(self._names, self.out, self.resumed_at)
+            self._logger = open_loggers(self._names, self.out, self._resumed_at)
         self._logger.log(metrics, step)
 
     def finish(self, engine_results: dict[str, Any]) -> Path | None:

@@ -1,5 +1,6 @@
-"""The Engine's side of the step breakdown: start the clocks together, mark the phases,
-and at the end gather every rank's medians, diagnose, print, trace.
+"""The Engine's side of the step breakdown, an observer of its step events: start the
+clocks together at setup, mark the phases, and at the end gather every rank's medians,
+diagnose, print, trace.
 
 Everything per step only records marks (`dtrain.observe.breakdown`); the only
 collectives are one barrier at setup (to align the ranks' clocks) and one gather at the
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,23 +26,29 @@ from dtrain.errors import SetupError
 from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.clock import clock_for
 from dtrain.observe.diagnosis import Job, Reading, diagnose, table
+from dtrain.observe.events import End, Observer, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.trace import write_trace
 
 
-class RunTiming:
+class RunTiming(Observer):
     """One rank's step timer and what the run makes of it at the end.
 
     Args:
         config: the run's options (``trace``, ``trace_steps``).
         device: where this rank computes (CUDA events there, host time otherwise).
+        is_main: True on the rank that prints the breakdown at the end.
+        exchange_in_step: the optimizer step is the gradient exchange (parameter servers).
     """
 
-    def __init__(self, config: Config, device: torch.device) -> None:
+    def __init__(
+        self, config: Config, device: torch.device, is_main: bool, exchange_in_step: bool
+    ) -> None:
         self.device = device
+        self.is_main = is_main
         self.trace_path = Path(config.trace) if config.trace else None
         window = step_window(config.trace_steps) if self.trace_path else None
-        self.timer = StepTimer(clock_for(device), trace_window=window)
+        self.timer = StepTimer(clock_for(device), exchange_in_step, window)
         self.grad_accumulation = config.grad_accumulation
         self.job = Job(
             config.strategy,
@@ -58,6 +64,11 @@ class RunTiming:
         """How the loader the loop trains from reads (`reads_from`), for the data advice."""
         self._forwards: RemovableHandle | None = None
         self._forward_samples = 0
+        self._group: dist.ProcessGroup | None = None
+        self._model: nn.Module | None = None
+        """The module the loop calls, whose forwards a hand-written loop's steps time."""
+        self._in_step = False
+        """Inside `train_step` (between its step events)."""
 
     def reads_from(self, loader: Any, local_processes: int) -> None:
         """Note how `loader` (a DataLoader the loop trains from) reads, on a machine that
@@ -68,36 +79,60 @@ class RunTiming:
             unpinned=self.device.type == "cuda" and not getattr(loader, "pin_memory", False),
         )
 
-    def start(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        group: dist.ProcessGroup | None,
-        exchange_in_step: bool,
-        in_train_step: Callable[[], bool],
-    ) -> None:
-        """Align the ranks' clocks (a barrier over `group`) and hook the marks into
-        `module`'s gradients and `optimizer`'s step; `in_train_step` tells whether an
-        optimizer step comes from `train_step` (which opens its steps itself) or from a
-        hand-written loop (whose steps run from one optimizer step to the next)."""
-        self.timer.exchange_in_step = exchange_in_step
-        barrier(group)
+    # -- the step events --------------------------------------------------------------
+    def on_setup(self, run: Run) -> None:
+        """Align the ranks' clocks (a barrier over the training processes) and hook the
+        marks into the module's gradients and the optimizer's step. An optimizer step
+        outside `train_step` (which opens its steps itself) is a hand-written loop's, whose
+        steps run from one optimizer step to the next."""
+        self._group = run.group
+        self._model = run.model
+        barrier(run.group)
         self.timer.clock.restart()
-        self.timer.watch(module)
-        if optimizer is None:
+        self.timer.watch(run.module)
+        if run.optimizer is None:
             return
         timer = self.timer
 
         def before(*_: Any) -> None:
             timer.optimizer_mark()
 
-        def after(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        def after(*_: Any) -> None:
             timer.optimizer_mark()
-            if not in_train_step():
+            if not self._in_step:
                 timer.begin_step(-1)
 
-        optimizer.register_step_pre_hook(before)
-        optimizer.register_step_post_hook(after)
+        run.optimizer.register_step_pre_hook(before)
+        run.optimizer.register_step_post_hook(after)
+
+    def on_step_start(self, step: int) -> None:
+        self._in_step = True
+        self.timer.begin_step(step)
+
+    def on_micro_start(self, batch: Any) -> None:
+        self.per_device_batch = batch_size(batch)
+        self.timer.begin_micro()
+
+    def on_micro_end(self) -> None:
+        self.timer.end_micro()
+
+    def on_gradients(self, step: int, loss: torch.Tensor) -> None:
+        self.timer.optimizer_mark()  # clipping and the optimizer's step
+
+    def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
+        self._in_step = False
+
+    def on_backward_start(self, step: int, loss: torch.Tensor) -> None:
+        self.timer.forward_done()
+
+    def on_backward_end(self) -> None:
+        self.timer.end_micro()
+        if self._model is not None:
+            self.watch_forwards(self._model)
+
+    def on_close(self, end: End) -> None:
+        if end.together:  # the gather needs every rank
+            end.results.update(self.finish(self._group, self.is_main))
 
     def watch_forwards(self, model: nn.Module) -> None:
         """Time the forwards of a hand-written loop, once `engine.backward` shows there is

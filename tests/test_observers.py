@@ -1,0 +1,132 @@
+"""The Engine's step events: an observer added to its list sees them in order, and a step
+that raises still ends its step (the pair is fired in try/finally)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtrain
+from dtrain.batches import batch_size
+from dtrain.models import DigitsMLP
+from dtrain.observe.events import End, Observer, Run
+
+pytestmark = pytest.mark.quick
+
+
+class Recorder(Observer):
+    """Writes down every event it is told."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.results: dict[str, Any] = {}
+
+    def on_setup(self, run: Run) -> None:
+        self.events.append(("setup", type(run.optimizer).__name__))
+
+    def on_step_start(self, step: int) -> None:
+        self.events.append(("start", step))
+
+    def on_micro_start(self, batch: Any) -> None:
+        self.events.append(("micro", batch_size(batch)))
+
+    def on_micro_end(self) -> None:
+        self.events.append(("micro end",))
+
+    def on_gradients(self, step: int, loss: torch.Tensor) -> None:
+        self.events.append(("gradients", step, loss.dim()))
+
+    def on_grad_norm(self, norm: torch.Tensor) -> None:
+        self.events.append(("norm",))
+
+    def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
+        self.events.append(("end", step, "failed" if loss is None else "ok"))
+
+    def on_backward_start(self, step: int, loss: torch.Tensor) -> None:
+        self.events.append(("backward", step))
+
+    def on_backward_end(self) -> None:
+        self.events.append(("backward end",))
+
+    def on_loop_step(self, step: int) -> None:
+        self.events.append(("loop step", step))
+
+    def on_close(self, end: End) -> None:
+        self.events.append(("close", end.steps, end.together))
+        self.results = dict(end.results)
+
+
+def _failing_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the loss failed")
+
+
+def test_an_observer_sees_the_events_in_order_and_a_failed_step_still_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = tmp_path / "metrics.json"
+    engine = dtrain.init(
+        seed=0,
+        grad_accumulation=2,
+        clip_grad_norm=1.0,
+        memory_report=True,
+        metrics_json=str(metrics),
+    )
+    recorder = Recorder()
+    engine.observers.append(recorder)
+    model = DigitsMLP(hidden=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    wrapped, optimizer = engine.setup(model, optimizer)
+    x, y = torch.randn(4, 64), torch.randint(0, 10, (4,))
+
+    with pytest.raises(RuntimeError, match="the loss failed"):
+        engine.train_step((x, y), _failing_loss)
+    assert not engine.module._forward_hooks  # the memory report's hook left with the step
+    assert engine.memory is None and engine.step == 0  # a failed step is not measured
+
+    loss = engine.train_step((x, y), F.cross_entropy)
+    assert loss.dim() == 0 and engine.step == 1
+    size = 4 * sum(p.numel() for p in model.parameters())  # fp32: 4 bytes a value
+    assert engine.memory == {
+        "parameters": size,
+        "parameters_in_step": size,
+        "gradients": size,
+        "optimizer": size,  # SGD's momentum buffers
+    }
+
+    # A hand-written step: its optimizer step is the loop's, not a train_step's (the
+    # failed step above closed its pair).
+    engine.backward(F.cross_entropy(wrapped(x), y))
+    optimizer.step()
+    optimizer.zero_grad()
+    engine.close()
+
+    assert recorder.events == [
+        ("setup", "SGD"),
+        ("start", 1),
+        ("micro", 2),
+        ("end", 1, "failed"),
+        ("start", 1),
+        ("micro", 2),
+        ("micro end",),
+        ("micro", 2),
+        ("micro end",),
+        ("gradients", 1, 0),
+        ("norm",),
+        ("end", 1, "ok"),
+        ("backward", 2),
+        ("backward end",),
+        ("loop step", 2),
+        ("close", 2, True),
+    ]
+    # The observers before it filled the results; the metrics JSON holds the same.
+    written = json.loads(metrics.read_text())
+    assert recorder.results["global_batch_size"] == written["global_batch_size"] == 4
+    assert written["steps"] == 2 and written["memory"] == [dict(engine.memory, rank=0)]
+    assert written["train_loss"] == recorder.results["train_loss"]
+    said = capsys.readouterr().out
+    assert "dtrain: model state per rank" in said and "dtrain: 2 steps" in said
