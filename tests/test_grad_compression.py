@@ -188,9 +188,8 @@ def test_powersgd_state_resumes_exactly(runs: tuple[dict[str, Any], Path]) -> No
     trainer = torch.load(sharded / TRAINER_FILE, weights_only=True)
     assert rank_states.LISTED not in trainer and trainer[rank_states.WRITTEN] == 4
     own, rank_0 = rank_states.own_and_first(sharded, trainer, 1, 4)
-    assert own is not None and rank_0 is not None
+    assert own is not None and rank_0 is None  # rank 0's is needed only for a replica
     assert_close(own["powersgd"]["errors"]["net.3.weight"], second)
-    assert_close(rank_0["powersgd"]["errors"]["net.3.weight"], first)
     # `ckpt convert` gathers the entries into the consolidated layout's list.
     converted = sharded.with_name("converted")
     convert(sharded, converted)

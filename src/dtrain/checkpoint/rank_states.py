@@ -2,12 +2,14 @@
 between syncs, PowerSGD's error feedback), saved so that every rank resumes its own.
 
 A consolidated checkpoint has one writer, so the ranks' states are gathered into its
-trainer file (``rank_states``: a list in rank order). A sharded checkpoint whose ranks
-write their own parts keeps each rank's state as an entry of its own (``ranks.R``: the
-bytes of a ``torch.save`` of it, as a uint8 tensor), written by that rank, so that no
-rank ever holds the others'; its trainer file records how many ranks wrote them
-(``rank_states_written``). `ckpt convert` gathers the entries into the consolidated
-checkpoint's list.
+trainer file (``rank_states``: a list in rank order); so are those of a sharded
+checkpoint that the main rank writes alone (zero1, ps, local-sgd: their state is not the
+module's). A sharded checkpoint whose ranks write their own parts (ddp, hsdp and the
+other strategies whose optimizer follows the module) keeps each rank's state as an entry
+of its own (``ranks.R``: the bytes of a ``torch.save`` of it, as a uint8 tensor),
+written by that rank, so that no rank ever holds the others'; its trainer file records
+how many ranks wrote them (``rank_states_written``). `ckpt convert` gathers the entries
+into the consolidated checkpoint's list.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from dtrain.checkpoint.dcp_io import read_entries
 from dtrain.checkpoint.format import load_pt
+from dtrain.errors import CheckpointError
 
 RANKS = "ranks."
 """The prefix of the rank-state entries of a sharded checkpoint's index."""
@@ -42,28 +45,23 @@ def as_entry(state: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def _from_entry(entry: torch.Tensor, key: str) -> dict[str, Any]:
-    """The state `as_entry` stored under `key`, read with weights_only=True."""
-    data = io.BytesIO(entry.numpy().tobytes())
-    return load_pt(data, "Load checkpoints written by code you trust.", what=f"The entry {key}")
-
-
 def own_and_first(
     path: Path, trainer: dict[str, Any], me: int, ranks: int
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """Rank `me`'s state (None where `ranks` processes did not write the checkpoint) and
-    the first rank's, from the checkpoint at `path` with trainer state `trainer`; (None,
-    None) where it holds none. Reads only those two, by this process alone."""
+    the first rank's (None where this rank's own has no replica: only a replica needs
+    it), from the checkpoint at `path` with trainer state `trainer`; (None, None) where
+    it holds none. Reads no other rank's entry."""
     if LISTED in trainer:
         states = trainer[LISTED]
         return (states[me] if len(states) == ranks else None), states[0]
     written = int(trainer.get(WRITTEN, 0))
     if not written:
         return None, None
-    same = written == ranks
-    keys = {entry_key(0)} | ({entry_key(me)} if same else set())
-    entries = {k: _from_entry(v, k) for k, v in read_entries(path, lambda k: k in keys).items()}
-    return (entries.get(entry_key(me)) if same else None), entries.get(entry_key(0))
+    mine = _entry(path, me) if written == ranks else None
+    if mine is not None and (me == 0 or mine.get("replica") is None):
+        return mine, mine if me == 0 else None
+    return mine, _entry(path, 0)
 
 
 def gathered(path: Path, trainer: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +71,18 @@ def gathered(path: Path, trainer: dict[str, Any]) -> dict[str, Any]:
     written = int(trainer.get(WRITTEN, 0))
     if not written:
         return trainer
-    entries = read_entries(path, lambda key: key.startswith(RANKS))
     rest = {k: v for k, v in trainer.items() if k != WRITTEN}
-    listed = [_from_entry(entries[entry_key(r)], entry_key(r)) for r in range(written)]
-    return {**rest, LISTED: listed}
+    return {**rest, LISTED: [_entry(path, rank) for rank in range(written)]}
+
+
+def _entry(path: Path, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s state from its entry of the sharded checkpoint at `path`."""
+    key = entry_key(rank)
+    found = read_entries(path, lambda k: k == key)
+    if key not in found:
+        raise CheckpointError(
+            f"{path} says {rank + 1} or more ranks saved their own state, but holds no entry "
+            f"{key}; the checkpoint is damaged. Resume from an older checkpoint."
+        )
+    data = io.BytesIO(found[key].numpy().tobytes())
+    return load_pt(data, "Load checkpoints written by code you trust.", what=f"The entry {key}")

@@ -27,7 +27,7 @@ def pipeline_flags(config: Config) -> list[str]:
             ("--split-points", config.split_points),
             ("--schedule", None if config.schedule == "1f1b" else config.schedule),
         )
-        if value is not None
+        if value is not None and value != []  # an empty --split-points splits nothing
     ]
 
 
