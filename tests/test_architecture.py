@@ -293,3 +293,71 @@ def test_the_strategy_specs_import_no_torch():
                     todo.append(imported_name)
     assert "dtrain.parallel.degrees" in seen and "dtrain.strategies.base" not in seen
     assert not heavy, "Importing the strategy specs imports torch: " + ", ".join(heavy)
+
+
+# The only core modules each product reaches into: the core's public API (`dtrain`,
+# `dtrain.config`, `dtrain.errors`) plus the engine rooms it is built on, each named in
+# the "Products" paragraph of docs/architecture.md. A new door is a decision: add it here
+# and there, or reach the core through one already open.
+PUBLIC = {"dtrain", "dtrain.config", "dtrain.errors"}
+PRODUCT_DOORS = {
+    "horovod/": PUBLIC
+    | {
+        "dtrain.advice",
+        "dtrain.topology",
+        "dtrain.launch.bootstrap",
+        "dtrain.launch.hosts",
+        "dtrain.launch.runner",
+        "dtrain.observe.trace",
+        "dtrain.parallel.sync_batchnorm",
+        "dtrain.teardown",
+    },
+    "plan/": PUBLIC
+    | {
+        "dtrain.batches",
+        "dtrain.data",
+        "dtrain.models",
+        "dtrain.names",
+        "dtrain.tasks",
+        "dtrain.parallel.blocks",
+        "dtrain.parallel.pipeline",
+        "dtrain.parallel.split",
+        "dtrain.parallel.tensor_plan",
+        SPECS,
+    },
+    "keras/": PUBLIC | {"dtrain.batches", "dtrain.engine", "dtrain.parallel.data_parallel"},
+    "bench/": PUBLIC
+    | {
+        "dtrain.batches",
+        "dtrain.names",
+        "dtrain.tasks",
+        "dtrain.launch.hosts",
+        "dtrain.observe.metrics",
+        "dtrain.observe.progress",
+        SPECS,
+    },
+}
+
+
+def _module_named(name: str) -> str:
+    """The module an import names: `name` itself, or the module a name is taken from
+    (``dtrain.config.Config`` -> ``dtrain.config``)."""
+    return name if name == "dtrain" or _file_of(name) else name.rsplit(".", 1)[0]
+
+
+def test_the_products_enter_the_core_through_their_doors_only():
+    assert set(PRODUCT_DOORS) == PRODUCTS
+    text = DOC.read_text()
+    undocumented = sorted(
+        {door for doors in PRODUCT_DOORS.values() for door in doors if f"`{door}`" not in text}
+    )
+    assert not undocumented, f"docs/architecture.md does not name the doors {undocumented}"
+    strays = [
+        f"{where}: {source} reaches the core only through {', '.join(sorted(doors))}"
+        for product, doors in PRODUCT_DOORS.items()
+        for source, target, where in arrows()
+        if source == product
+        and target not in PRODUCTS
+        and _module_named(where.rsplit(" imports ", 1)[1]) not in doors
+    ]
+    assert not strays, "Products that reach into the core elsewhere:\n" + "\n".join(strays)
