@@ -27,7 +27,7 @@ PACKAGE = "__init__.py"
 
 # Bottom to top: a unit may import units of its own layer or of the layers below.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"errors.py", "advice.py", "names.py", "requirements.py"}),
+    ("leaves", {"errors.py", "advice.py", "command_names.py", "requirements.py"}),
     (
         "foundations",
         {
@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "commands and products",
         {
-            PACKAGE, "flags.py", "demo_flags.py", "demo_checks.py", "demo.py", "cli.py",
+            PACKAGE, "topology_flags.py", "demo_flags.py", "demo_checks.py", "demo.py", "cli.py",
             "bench/", "plan/", "horovod/", "keras/",
         },
     ),
@@ -153,7 +153,7 @@ def layer_of() -> dict[str, int]:
 
 def test_every_module_is_named_in_the_architecture_doc():
     text = DOC.read_text()
-    # A whole path, so that `checkpoint/names.py` does not stand for `names.py`.
+    # A whole path, so that `checkpoint/canonical.py` does not stand for `canonical.py`.
     missing = [
         rel
         for rel in sorted(units())
@@ -317,7 +317,7 @@ PRODUCT_DOORS = {
         "dtrain.batches",
         "dtrain.data",
         "dtrain.models",
-        "dtrain.names",
+        "dtrain.command_names",
         "dtrain.tasks",
         "dtrain.parallel.blocks",
         "dtrain.parallel.pipeline",
@@ -329,7 +329,7 @@ PRODUCT_DOORS = {
     "bench/": PUBLIC
     | {
         "dtrain.batches",
-        "dtrain.names",
+        "dtrain.command_names",
         "dtrain.tasks",
         "dtrain.launch.hosts",
         "dtrain.observe.metrics",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain import names
+from dtrain import command_names
 from dtrain.errors import ConfigError
 from dtrain.lr import scale_lr
 from dtrain.models import MODELS, build
@@ -116,7 +116,7 @@ assert "torch" in sys.modules
 assert callable(dtrain.launch) and dtrain.launch.__module__ == "dtrain.launch.notebook"
 assert dtrain.init.__module__ == "dtrain.start" and Engine is dtrain.Engine
 assert "dtrain.requirements" in sys.modules, "the torch version was not checked"
-assert dtrain.available_strategies() == list(dtrain.names.STRATEGIES)
+assert dtrain.available_strategies() == list(dtrain.command_names.STRATEGIES)
 assert {"init", "launch", "Engine"} <= set(dir(dtrain))
 print("ok")
 """
@@ -128,17 +128,17 @@ def test_the_public_names_load_torch_on_first_use() -> None:
 
 
 def test_the_light_names_are_the_ones_the_modules_use() -> None:
-    assert available() == list(names.STRATEGIES)
+    assert available() == list(command_names.STRATEGIES)
     aliases = {alias: name for name in available() for alias in lookup(name).aliases}
-    assert aliases == names.STRATEGY_ALIASES
-    assert tuple(SIZES) == names.GPT_SIZES
-    assert MODELS is names.MODELS and set(TASKS) == set(names.MODELS)
-    for model in names.MODELS:
+    assert aliases == command_names.STRATEGY_ALIASES
+    assert tuple(SIZES) == command_names.GPT_SIZES
+    assert MODELS is command_names.MODELS and set(TASKS) == set(command_names.MODELS)
+    for model in command_names.MODELS:
         build(model)
     model = torch.nn.Linear(2, 2)
-    built = {type(make_optimizer(name, model, 0.1)) for name in names.OPTIMIZERS}
-    assert len(built) == len(names.OPTIMIZERS)
+    built = {type(make_optimizer(name, model, 0.1)) for name in command_names.OPTIMIZERS}
+    assert len(built) == len(command_names.OPTIMIZERS)
     with pytest.raises(ConfigError, match="Unknown --optimizer 'lion'"):
         make_optimizer("lion", model, 0.1)
-    for rule in names.LR_RULES:
+    for rule in command_names.LR_RULES:
         scale_lr(0.1, 64, 32, rule)

@@ -13,7 +13,7 @@ from dtrain import demo
 from dtrain.cli import build_parser, main
 from dtrain.config_file import parse_with_config
 from dtrain.errors import ConfigError
-from dtrain.flags import config_from
+from dtrain.topology_flags import config_from
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -25,9 +25,9 @@ from dtrain.config import Config
 from dtrain.config_file import _actions, _chosen_parser, add_config_arg, parse_with_config
 from dtrain.demo_flags import add_training_args, check_training_args
 from dtrain.errors import ConfigError, DtrainError, exit_report
-from dtrain.flags import add_topology_args, config_from
 from dtrain.launch.quiet import import_quietly
 from dtrain.plan.flags import add_args as add_plan_args
+from dtrain.topology_flags import add_topology_args, config_from
 
 DEMO_MODULE = "dtrain.demo"
 COMM_MODULE = "dtrain.bench.comm"

@@ -22,7 +22,6 @@ from dtrain.config_file import add_config_arg, parse_with_config
 from dtrain.demo_checks import complete_args
 from dtrain.demo_flags import add_training_args
 from dtrain.errors import ConfigError
-from dtrain.flags import add_topology_args
 from dtrain.lr import LRSchedule, scale_lr
 from dtrain.models import build
 from dtrain.models.gpt import GPT
@@ -32,6 +31,7 @@ from dtrain.observe.metrics import format_table
 from dtrain.shard_files import ShardFiles
 from dtrain.shard_share import ShardShare
 from dtrain.tasks import TASKS, make_optimizer
+from dtrain.topology_flags import add_topology_args
 
 DEFAULT_SEED = 0
 """The demo's seed when --seed is not given, so that two runs of it train alike."""

@@ -1,6 +1,6 @@
 """The TRAINING flags of `dtrain demo` (listed in README.md), importable without torch.
 
-The choices come from `dtrain.names`, which the models, optimizers and learning-rate rules
+The choices come from `dtrain.command_names`, which the models, optimizers and learning-rate rules
 use too; the defaults left as None are the model's own, filled in by `demo_checks.complete_args`.
 """
 
@@ -10,8 +10,8 @@ import argparse
 import math
 from pathlib import Path
 
+from dtrain.command_names import GPT_SIZES, LR_RULES, MODELS, OPTIMIZERS
 from dtrain.errors import ConfigError
-from dtrain.names import GPT_SIZES, LR_RULES, MODELS, OPTIMIZERS
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:

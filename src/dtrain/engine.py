@@ -34,7 +34,7 @@ from dtrain.observe.logs import LOGGER, log_to_file
 from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.memory import MemoryReport
 from dtrain.observe.progress import Throughput
-from dtrain.observe.report import RunReport
+from dtrain.observe.run_report import RunReport
 from dtrain.observe.summary import RunSummary
 from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dtrain.command_names import LR_RULES
 from dtrain.errors import ConfigError
-from dtrain.names import LR_RULES
 
 
 def scale_lr(lr: float, global_batch: int, reference_batch: int, rule: str) -> float:

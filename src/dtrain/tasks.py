@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from dtrain.command_names import OPTIMIZERS
 from dtrain.datasets import load_digits, load_text
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, lm_loss
-from dtrain.names import OPTIMIZERS
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

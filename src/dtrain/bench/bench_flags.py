@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dtrain.command_names import GPT_SIZES, MODELS, OPTIMIZERS, STRATEGY_ALIASES, check_strategy
 from dtrain.errors import ConfigError
-from dtrain.names import GPT_SIZES, MODELS, OPTIMIZERS, STRATEGY_ALIASES, check_strategy
 
 DEFAULT_STEPS = 30
 """Optimizer steps per demo trial: enough for the first (slow) steps to weigh little."""

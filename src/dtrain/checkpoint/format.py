@@ -28,9 +28,9 @@ from torch import nn
 
 from dtrain import advice
 from dtrain.checkpoint.atomic import atomic_directory, file_records
+from dtrain.checkpoint.canonical import canonical_name, canonical_state_dict
 from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
 from dtrain.checkpoint.lazy import LazyTensors
-from dtrain.checkpoint.names import canonical_name, canonical_state_dict
 from dtrain.errors import CheckpointError
 
 FORMAT = "dtrain.checkpoint/1"

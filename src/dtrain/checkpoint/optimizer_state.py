@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.checkpoint.names import canonical_name
+from dtrain.checkpoint.canonical import canonical_name
 from dtrain.errors import CheckpointError
 
 

@@ -16,9 +16,9 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from dtrain.checkpoint.canonical import canonical_state_dict
 from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
 from dtrain.checkpoint.format import load_pt, unshared
-from dtrain.checkpoint.names import canonical_state_dict
 from dtrain.errors import CheckpointError
 
 # Where training scripts commonly keep the model state inside a saved dict, in the order

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dtrain.command_names import ACTIVATION_CHECKPOINTING, PRECISIONS
 from dtrain.config_rules.choices import one_of
 from dtrain.errors import ConfigError
-from dtrain.names import ACTIVATION_CHECKPOINTING, PRECISIONS
 
 if TYPE_CHECKING:
     from dtrain.config import Config

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dtrain.command_names import PS_MODES
 from dtrain.errors import ConfigError
-from dtrain.names import PS_MODES
 
 if TYPE_CHECKING:
     from dtrain.config import Config

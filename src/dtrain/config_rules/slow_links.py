@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from dtrain.command_names import OUTER_OPTIMIZERS
 from dtrain.config_rules.choices import one_of
 from dtrain.errors import ConfigError
-from dtrain.names import OUTER_OPTIMIZERS
 
 if TYPE_CHECKING:
     from dtrain.config import Config

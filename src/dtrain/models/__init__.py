@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from dtrain.command_names import MODELS
 from dtrain.errors import ConfigError
 from dtrain.models.digits import DigitsCNN, DigitsMLP
 from dtrain.models.gpt import GPT, SIZES
-from dtrain.names import MODELS
 
 
 def check_size(name: str, size: str | None) -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from dtrain.command_names import LOGGERS
 from dtrain.errors import ConfigError
-from dtrain.names import LOGGERS
 
 CSV_HEADER = ("step", "name", "value")
 FLUSH_SECS = 30

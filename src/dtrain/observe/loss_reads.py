@@ -14,7 +14,7 @@ from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.events import End, Observer, Run
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.progress import Throughput
-from dtrain.observe.report import RunReport
+from dtrain.observe.run_report import RunReport
 
 
 class LossReads(Observer):

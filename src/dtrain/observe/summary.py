@@ -11,7 +11,7 @@ from dtrain.batches import batch_size
 from dtrain.config import Config
 from dtrain.observe.events import End, Observer
 from dtrain.observe.progress import Throughput, steady_rate
-from dtrain.observe.report import RunReport
+from dtrain.observe.run_report import RunReport
 from dtrain.observe.timing import RunTiming
 from dtrain.position import Position
 from dtrain.precision import LossScaling

@@ -31,7 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.checkpoint.names import canonical_name
+from dtrain.checkpoint.canonical import canonical_name
 from dtrain.config import grad_compression
 from dtrain.errors import ConfigError
 

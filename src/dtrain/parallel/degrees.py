@@ -4,7 +4,7 @@ One :class:`Degrees` says how many ways the job is split along each dimension: d
 parallel as replicas (ddp, ``dp_replicate``) times shards (zero2/zero3, ``dp_shard``),
 pipeline stages (``pp``) and tensor shards (``tp``). Every mesh strategy is a preset over
 it; it is validated once (the product is the world size), before any process starts (the
-launcher checks a layout with it, so this module imports no torch); `parallel/mesh.py`
+launcher checks a layout with it, so this module imports no torch); `parallel/device_mesh.py`
 builds the named DeviceMesh over it.
 """
 

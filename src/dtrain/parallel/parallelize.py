@@ -34,9 +34,9 @@ from dtrain.parallel.compile import compile_blocks
 from dtrain.parallel.compression import cast_dtype
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import microbatches
+from dtrain.parallel.device_mesh import ParallelMesh
 from dtrain.parallel.hierarchical import host_groups
 from dtrain.parallel.materialize import materialize
-from dtrain.parallel.mesh import ParallelMesh
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
 from dtrain.parallel.split import Stage, Tie, check_stages, layers_of, split_layers
 from dtrain.parallel.tensor_plan import apply_tp, plan_of

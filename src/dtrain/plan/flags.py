@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dtrain.names import GPT_SIZES, MODELS, OPTIMIZERS
+from dtrain.command_names import GPT_SIZES, MODELS, OPTIMIZERS
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from dtrain.checkpoint.canonical import canonical_name
 from dtrain.checkpoint.format import check_fit, expected_shapes
-from dtrain.checkpoint.names import canonical_name
 from dtrain.checkpoint.optimizer_state import state_by_name
 
 

@@ -42,8 +42,8 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from torch.optim import Optimizer
 
 from dtrain.batches import LossFn
+from dtrain.checkpoint.canonical import canonical_state_dict
 from dtrain.checkpoint.format import load_model, model_tensors
-from dtrain.checkpoint.names import canonical_state_dict
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError

@@ -32,8 +32,8 @@ from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import unwrap_compiled
 from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import microbatches
+from dtrain.parallel.device_mesh import parallel_mesh
 from dtrain.parallel.hooks import gradient_hooks
-from dtrain.parallel.mesh import parallel_mesh
 from dtrain.parallel.parallelize import Parallelized, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, rename_state

@@ -10,9 +10,9 @@ import sys
 import typing
 from dataclasses import fields
 
+from dtrain.command_names import STRATEGIES, check_strategy
 from dtrain.config import Config
 from dtrain.launch import schedulers
-from dtrain.names import STRATEGIES, check_strategy
 
 SCHEDULED = ("nnodes", "node_rank", "master", "nproc")
 """Fields a scheduler may set; their flags default to None so that a flag given (on the
