@@ -64,9 +64,9 @@ class Engine:
         close_at_exit(self)
         self._watch = LossWatch(config.log_every)
         self._feeder = Feeder(
-            strategy.dp_size,
-            strategy.dp_rank,
-            strategy.input_device,
+            strategy.placement.dp_size,
+            strategy.placement.dp_rank,
+            strategy.placement.input_device,
             self.position,
             self.throughput,
             self.print,
@@ -93,7 +93,9 @@ class Engine:
         """fp16-mixed's loss scale and its count of skipped steps (None otherwise)."""
         if config.precision == "fp16-mixed":
             distributed = strategy.spec.multiprocess and dist.is_initialized()
-            scaling = LossScaling(strategy.input_device, strategy.train_group, distributed)
+            scaling = LossScaling(
+                strategy.placement.input_device, strategy.placement.train_group, distributed
+            )
             self.loss_scaling = strategy.loss_scaling = self.checkpoints.loss_scaling = scaling
         self._empty_rng: torch.Tensor | None = None
         """The CPU random state when `init_empty` was last entered."""
@@ -145,12 +147,12 @@ class Engine:
     @property
     def device(self) -> torch.device:
         """Where batches go before the model sees them."""
-        return self.strategy.input_device
+        return self.strategy.placement.input_device
 
     @property
     def dp_size(self) -> int:
         """Data-parallel processes: the global batch is the per-worker batch times this."""
-        return self.strategy.dp_size
+        return self.strategy.placement.dp_size
 
     @property
     def module(self) -> nn.Module:
@@ -197,12 +199,12 @@ class Engine:
         if self.model is not None:
             raise SetupError("engine.setup was called twice; call it once per Engine.")
         if optimizer is not None:
-            check_split(optimizer, self.strategy.name, self.strategy.splits_model)
+            check_split(optimizer, self.strategy.name, self.strategy.placement.splits_model)
             self._step_refusal = train_step_refusal(optimizer)
         kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
         rng = self._empty_rng if self._empty_rng is not None else torch.get_rng_state()
         self.strategy.deferred = materialize.prepare(
-            model, rng, self.strategy.places_parts, self.topology.device
+            model, rng, self.strategy.placement.places_parts, self.topology.device
         )
         self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
@@ -215,11 +217,11 @@ class Engine:
         self.timing.start(
             self.strategy.unwrap(),
             optimizer,
-            self.strategy.train_group,
+            self.strategy.placement.train_group,
             self.strategy.spec.exchange_in_step,
             lambda: self._stepping,
         )
-        layout = self.strategy.layout_text
+        layout = self.strategy.placement.layout_text
         lrs = sorted({g["lr"] for g in optimizer.param_groups}) if optimizer else []
         banner = (
             f"dtrain: strategy {self.strategy.name}, {self.world_size} process(es)"
@@ -237,7 +239,7 @@ class Engine:
         if self._stepping:
             return
         # A hand-written loop: its step's samples are those its forwards computed.
-        samples = self.timing.take_forward_samples() * self.strategy.dp_size
+        samples = self.timing.take_forward_samples() * self.strategy.placement.dp_size
         self._step_samples = samples or self._step_samples
         if self.position.step % self.config.log_every == 0:
             self._read_loss()  # read after its step
@@ -304,7 +306,7 @@ class Engine:
             shuffle = not is_stream(dataset)
         seed = self.config.seed
         if seed is None:
-            seed = drawn_seed(self.strategy.train_group) if shuffle else 0
+            seed = drawn_seed(self.strategy.placement.train_group) if shuffle else 0
         return self._feeder.loader(
             dataset,
             batch_size,
@@ -312,7 +314,7 @@ class Engine:
             shuffle,
             drop_last,
             seed=seed,
-            collective_forward=self.strategy.collective_forward,
+            collective_forward=self.strategy.placement.collective_forward,
             **loader_kwargs,
         )
 
@@ -387,7 +389,7 @@ class Engine:
                 held.read()
         assert isinstance(mean, torch.Tensor)
         self.timing.per_device_batch = batch_size(part)
-        self._step_samples = total * self.strategy.dp_size
+        self._step_samples = total * self.strategy.placement.dp_size
         self._watch.record(mean, self.step + 1)
         grads = gradient_bytes(self.strategy.unwrap()) if measure else 0
         if (self.step + 1) % self.config.log_every == 0:
@@ -444,7 +446,10 @@ class Engine:
 
     def _read_loss(self) -> float | None:
         return self._reads.read(
-            self.strategy.train_group, self.strategy.lockstep, self.optimizer, self.grad_norm
+            self.strategy.placement.train_group,
+            self.strategy.placement.lockstep,
+            self.optimizer,
+            self.grad_norm,
         )
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -470,7 +475,7 @@ class Engine:
         figures do not change), so the metrics JSON at close reuses a script's own call."""
         if self._memory_report is None or self.memory is None:
             mine = dict(self.memory or {}, rank=self.rank)
-            self._memory_report = gather_objects(mine, self.strategy.train_group)
+            self._memory_report = gather_objects(mine, self.strategy.placement.train_group)
         return self._memory_report
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -515,11 +520,11 @@ class Engine:
             self.autocast,
             self.topology.device,
             extra_forwards=shortfall(loader, self.strategy, self.topology.device)
-            if self.strategy.collective_forward
+            if self.strategy.placement.collective_forward
             else 0,
         )
         if self.strategy.spec.multiprocess and dist.is_initialized():
-            dist.all_reduce(totals, group=self.strategy.dp_group)
+            dist.all_reduce(totals, group=self.strategy.placement.dp_group)
         loss_sum, correct, count = totals.tolist()
         result = {"samples": count}
         if count and counted_loss:
@@ -578,15 +583,15 @@ class Engine:
     # -- collectives and teardown ---------------------------------------------------------
     def barrier(self) -> None:
         """Wait for every process of the training loop (no-op in a one-process job)."""
-        barrier(self.strategy.train_group)
+        barrier(self.strategy.placement.train_group)
 
     def all_reduce_mean(self, value: float) -> float:
         """The mean of `value` over the data-parallel processes."""
         if not (self.strategy.spec.multiprocess and dist.is_initialized()):
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.topology.device)
-        dist.all_reduce(t, group=self.strategy.dp_group)
-        return t.item() / dist.get_world_size(self.strategy.dp_group)
+        dist.all_reduce(t, group=self.strategy.placement.dp_group)
+        return t.item() / dist.get_world_size(self.strategy.placement.dp_group)
 
     def close(self, *, failed: bool = False) -> None:
         """Print where the time went, release the strategy's wrappers, then leave the
@@ -612,7 +617,7 @@ class Engine:
             save_error = e  # raised once the rest of close is done
         summary: dict[str, Any] = {}
         if self.model is not None and not failed:  # collectives: every rank got here
-            summary = self.timing.finish(self.strategy.train_group, self.is_main)
+            summary = self.timing.finish(self.strategy.placement.train_group, self.is_main)
             if self.config.memory_report:
                 summary["memory"] = self.memory_report()
                 self.print(f"dtrain: model state per rank\n{format_memory(summary['memory'])}")
