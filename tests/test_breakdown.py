@@ -72,7 +72,7 @@ def planted(cause: str, out: str) -> dict:
     if last:
         engine.close()
         return json.loads(Path(out, "metrics.json").read_text()) if engine.is_main else {}
-    results = engine.timing.finish(engine.strategy.train_group, engine.is_main)
+    results = engine.timing.finish(engine.strategy.placement.train_group, engine.is_main)
     engine.strategy.close()
     return results
 

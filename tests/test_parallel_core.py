@@ -32,7 +32,7 @@ def applied_options(options: dict[str, Any]) -> dict[str, Any]:
         "param_dtypes": {str(s._mp_policy.param_dtype) for s in states},
         "prefetching": sum(bool(s._states_to_forward_prefetch) for s in states),
         "reshard_after_forward": {g.post_forward_mesh_info is not None for g in groups},
-        "fsdp_casts": engine.strategy.handles_precision,
+        "fsdp_casts": engine.strategy.placement.handles_precision,
         "loss": (loss.dtype, loss.item()),
     }
     engine.close()

@@ -133,7 +133,7 @@ class Checkpoints(Observer):
             if keep is not None:
                 checkpoint.prune(path.parent, keep, written=path)
 
-        group = self.strategy.train_group
+        group = self.strategy.placement.train_group
         own = self._own_state()
         if self.strategy.config.checkpoint_format == "sharded":
             part = local_part(self.strategy, self.optimizer)
@@ -183,7 +183,7 @@ class Checkpoints(Observer):
         are gathered to the main rank, which writes them all (collective)."""
         if own is None:
             return {}
-        group = self.strategy.train_group
+        group = self.strategy.placement.train_group
         me, ranks = rank_in(group)
         if part is not None and not part.alone:
             part.state[rank_states.entry_key(me)] = rank_states.as_entry(own)
@@ -200,7 +200,7 @@ class Checkpoints(Observer):
         if powersgd is None:
             return
         mine = mine.get("powersgd") if mine else None
-        ranks = rank_in(self.strategy.train_group)[1]
+        ranks = rank_in(self.strategy.placement.train_group)[1]
         if powersgd.fits(mine):
             powersgd.load_state_dict(mine)
             return
@@ -225,7 +225,7 @@ class Checkpoints(Observer):
                 return False
             return self.last_path == path or not problems_of(path)
 
-        return decided_by_main(decide, self.strategy.train_group, self.is_main)
+        return decided_by_main(decide, self.strategy.placement.train_group, self.is_main)
 
     def finish(self) -> None:
         """Return once every checkpoint this process started is on disk (an asynchronous
@@ -261,7 +261,7 @@ class Checkpoints(Observer):
                 )
             return manifest
 
-        manifest = decided_by_main(check, self.strategy.train_group, self.is_main)
+        manifest = decided_by_main(check, self.strategy.placement.train_group, self.is_main)
         return self._load_checked(path, manifest, strict)
 
     def resume(self, root: str | Path) -> dict[str, Any] | None:
@@ -278,7 +278,8 @@ class Checkpoints(Observer):
             latest, warnings = checkpoint.latest_intact(Path(root))
             return latest, warnings, checkpoint.read_manifest(latest) if latest else None
 
-        latest, warnings, manifest = decided_by_main(find, self.strategy.train_group, self.is_main)
+        group = self.strategy.placement.train_group
+        latest, warnings, manifest = decided_by_main(find, group, self.is_main)
         for warning in warnings:
             LOGGER.warning(warning)
             self.print(f"dtrain: warning: {warning}")
@@ -324,7 +325,7 @@ class Checkpoints(Observer):
         where.shuffle_seed = trainer.get("shuffle_seed")
         if self.loss_scaling is not None and "loss_scaler" in trainer:
             self.loss_scaling.load_state_dict(trainer["loss_scaler"])
-        me, ranks = rank_in(self.strategy.train_group)
+        me, ranks = rank_in(self.strategy.placement.train_group)
         rng_states = trainer.get("rng_per_rank") or []
         if rng_states:
             # Same number of processes: every rank continues its own streams; else rank 0's.

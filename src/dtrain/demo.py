@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     per_worker = check_batch(
         args.global_batch_size,
         engine.dp_size,
-        engine.strategy.micro_splits,
+        engine.strategy.placement.micro_splits,
         engine.config.grad_accumulation,
     )
 

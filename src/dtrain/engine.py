@@ -66,13 +66,13 @@ class Engine:
         if config.precision == "fp16-mixed":
             distributed = strategy.spec.multiprocess and dist.is_initialized()
             self.loss_scaling = LossScaling(
-                strategy.input_device, strategy.train_group, distributed
+                strategy.placement.input_device, strategy.placement.train_group, distributed
             )
         self.checkpoints = Checkpoints(strategy, self.position, self.loss_scaling)
         self._feeder = Feeder(
-            strategy.dp_size,
-            strategy.dp_rank,
-            strategy.input_device,
+            strategy.placement.dp_size,
+            strategy.placement.dp_rank,
+            strategy.placement.input_device,
             self.position,
             self.throughput,
             self.print,
@@ -95,7 +95,7 @@ class Engine:
             self.position,
             self.timing,
             self.loss_scaling,
-            strategy.dp_size,
+            strategy.placement.dp_size,
             topology.is_main,
         )
         self.observers = Observers(
@@ -155,12 +155,12 @@ class Engine:
     @property
     def device(self) -> torch.device:
         """Where batches go before the model sees them."""
-        return self.strategy.input_device
+        return self.strategy.placement.input_device
 
     @property
     def dp_size(self) -> int:
         """Data-parallel processes: the global batch is the per-worker batch times this."""
-        return self.strategy.dp_size
+        return self.strategy.placement.dp_size
 
     @property
     def module(self) -> nn.Module:
@@ -207,12 +207,12 @@ class Engine:
         if self.model is not None:
             raise SetupError("engine.setup was called twice; call it once per Engine.")
         if optimizer is not None:
-            check_split(optimizer, self.strategy.name, self.strategy.splits_model)
+            check_split(optimizer, self.strategy.name, self.strategy.placement.splits_model)
             self._step_refusal = train_step_refusal(optimizer)
         kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
         rng = self._empty_rng if self._empty_rng is not None else torch.get_rng_state()
         self.strategy.deferred = materialize.prepare(
-            model, rng, self.strategy.places_parts, self.topology.device
+            model, rng, self.strategy.placement.places_parts, self.topology.device
         )
         self.model, optimizer = self.strategy.setup(model, optimizer)
         self.optimizer = optimizer
@@ -223,9 +223,15 @@ class Engine:
                 self.loss_scaling.wrap_step(optimizer, self._skipped_step)
         strategy = self.strategy
         self.observers.on_setup(
-            Run(strategy.unwrap(), self.model, optimizer, strategy.train_group, strategy.lockstep)
+            Run(
+                strategy.unwrap(),
+                self.model,
+                optimizer,
+                strategy.placement.train_group,
+                strategy.placement.lockstep,
+            )
         )
-        layout = self.strategy.layout_text
+        layout = self.strategy.placement.layout_text
         lrs = sorted({g["lr"] for g in optimizer.param_groups}) if optimizer else []
         banner = (
             f"dtrain: strategy {self.strategy.name}, {self.world_size} process(es)"
@@ -304,7 +310,7 @@ class Engine:
             shuffle = not is_stream(dataset)
         seed = self.config.seed
         if seed is None:
-            seed = drawn_seed(self.strategy.train_group) if shuffle else 0
+            seed = drawn_seed(self.strategy.placement.train_group) if shuffle else 0
         return self._feeder.loader(
             dataset,
             batch_size,
@@ -312,7 +318,7 @@ class Engine:
             shuffle,
             drop_last,
             seed=seed,
-            collective_forward=self.strategy.collective_forward,
+            collective_forward=self.strategy.placement.collective_forward,
             **loader_kwargs,
         )
 
@@ -505,11 +511,11 @@ class Engine:
             self.autocast,
             self.topology.device,
             extra_forwards=shortfall(loader, self.strategy, self.topology.device)
-            if self.strategy.collective_forward
+            if self.strategy.placement.collective_forward
             else 0,
         )
         if self.strategy.spec.multiprocess and dist.is_initialized():
-            dist.all_reduce(totals, group=self.strategy.dp_group)
+            dist.all_reduce(totals, group=self.strategy.placement.dp_group)
         loss_sum, correct, count = totals.tolist()
         result = {"samples": count}
         if count and counted_loss:
@@ -566,15 +572,15 @@ class Engine:
     # -- collectives and teardown ---------------------------------------------------------
     def barrier(self) -> None:
         """Wait for every process of the training loop (no-op in a one-process job)."""
-        barrier(self.strategy.train_group)
+        barrier(self.strategy.placement.train_group)
 
     def all_reduce_mean(self, value: float) -> float:
         """The mean of `value` over the data-parallel processes."""
         if not (self.strategy.spec.multiprocess and dist.is_initialized()):
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.topology.device)
-        dist.all_reduce(t, group=self.strategy.dp_group)
-        return t.item() / dist.get_world_size(self.strategy.dp_group)
+        dist.all_reduce(t, group=self.strategy.placement.dp_group)
+        return t.item() / dist.get_world_size(self.strategy.placement.dp_group)
 
     def close(self, *, failed: bool = False) -> None:
         """Print where the time went, release the strategy's wrappers, then leave the

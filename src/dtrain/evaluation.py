@@ -85,7 +85,7 @@ def shortfall(loader: Iterable[Any], strategy: Strategy, device: torch.device) -
     collective over them). Where the model's forward is a collective (sharded parameters
     are gathered in forward), a rank without a share of the last, short batch must still
     take part in as many forwards."""
-    if strategy.dp_size == 1:
+    if strategy.placement.dp_size == 1:
         return 0
     try:
         length = len(loader)  # type: ignore[arg-type]
@@ -95,5 +95,5 @@ def shortfall(loader: Iterable[Any], strategy: Strategy, device: torch.device) -
         return 0
     count = torch.tensor([length], device=device)
     most = count.clone()
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=strategy.dp_group)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=strategy.placement.dp_group)
     return int(most.item() - count.item())

@@ -117,7 +117,7 @@ class ShardedWriter:
         checkpoint `target` (collective); `on_commit` runs on the main rank once it is in
         place. In the background with ``async_checkpoint``."""
         self.wait()
-        group = self.strategy.train_group
+        group = self.strategy.placement.train_group
         size = stored_bytes(part.state, trainer)
 
         def start() -> Path:
@@ -150,7 +150,7 @@ class ShardedWriter:
     def _records(self, tmp: Path) -> dict[str, dict[str, object]]:
         """The size and checksum of every file in `tmp`; every rank checksums a share of
         the files, in parallel."""
-        group = self.strategy.train_group
+        group = self.strategy.placement.train_group
         me, ranks = rank_in(group)
         shares = gather_objects(file_records(tmp, _files(tmp)[me::ranks]), group)
         return {name: record for share in shares for name, record in share.items()}
@@ -168,7 +168,7 @@ class ShardedWriter:
     def _write(self, part: Part, tmp: Path, background: bool) -> Future[Any] | None:
         """Hand `part` to DCP (every rank, or the main rank alone); the upload's future
         when in the background."""
-        group = self.strategy.train_group
+        group = self.strategy.placement.train_group
         if background and dist.is_initialized():
             # The upload's collectives run beside training's, so they get a group of their
             # own; DCP also wants one that works on the CPU (gloo), even for one writer.

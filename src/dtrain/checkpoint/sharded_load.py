@@ -130,7 +130,7 @@ def _load_by_module(
     keys: set[str],
 ) -> list[str]:
     module = strategy.unwrap()
-    group = strategy.train_group
+    group = strategy.placement.train_group
     whole: dict[str, torch.Size] = {}
     for part in gather_objects(expected_shapes(module), group):  # a stage knows its part
         whole.update(part)

@@ -103,7 +103,8 @@ def distribute(model: Any, engine: Engine) -> Any:
         )
     if not engine.strategy.spec.multiprocess:
         return model
-    return DistributedModel(model, apply_ddp(model, engine.strategy.dp_group, engine.device))
+    group = engine.strategy.placement.dp_group
+    return DistributedModel(model, apply_ddp(model, group, engine.device))
 
 
 def shard(data: Any, engine: Engine) -> Any:
@@ -115,7 +116,7 @@ def shard(data: Any, engine: Engine) -> Any:
     (an uneven last step would leave the others waiting in the all-reduce); the last
     ``rows % N`` rows are dropped. One process keeps every row.
     """
-    size, rank = engine.dp_size, engine.strategy.dp_rank
+    size, rank = engine.dp_size, engine.strategy.placement.dp_rank
 
     def rows(array: Any) -> Any:
         usable = len(array) // size * size

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -24,6 +23,7 @@ from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.materialize import DeferredInit
 from dtrain.precision import LossScaling, compute_dtype
+from dtrain.strategies.placement import replicas
 from dtrain.strategies.specs import lookup
 from dtrain.strategies.state import CheckpointState
 from dtrain.topology import Topology
@@ -32,8 +32,10 @@ from dtrain.topology import Topology
 class Strategy(CheckpointState):
     """What a strategy does in a training process: wrap the model, run a step's forward and
     backward, synchronise gradients; its state for checkpoints is the part it inherits
-    (:class:`CheckpointState`). This base class is `single` (one device per process, no
-    wrapping); subclasses override what differs.
+    (:class:`CheckpointState`); where the work runs is its `placement`
+    (strategies/placement.py). This base class is `single` (one device per process, no
+    wrapping); subclasses override the methods that differ and, in `__init__`, replace
+    the fields of `placement` that differ.
 
     What is known before any process starts (names, the process layout, the options
     refused) is the strategy's spec, `self.spec` (strategies/specs.py).
@@ -50,81 +52,15 @@ class Strategy(CheckpointState):
         """The Engine's loss scale under --precision fp16-mixed, applied to each loss."""
         self.deferred: DeferredInit | None = None
         """Set by the Engine before `setup` when the model was built on the meta device
-        and this strategy `places_parts`: how to initialise the part this rank holds."""
+        and `placement.places_parts`: how to initialise the part this rank holds."""
+        self.placement = replicas(topology, self.spec.multiprocess)
+        """Where the work runs (strategies/placement.py); a subclass's `__init__` replaces
+        the fields that differ."""
 
     @property
     def name(self) -> str:
         """The `--strategy` name (an alias's strategy: zero3 for fsdp)."""
         return self.spec.name
-
-    @property
-    def handles_precision(self) -> bool:
-        """True if the strategy applies --precision itself; otherwise the Engine autocasts."""
-        return False
-
-    @property
-    def collective_forward(self) -> bool:
-        """True if the model's forward is a collective over the data-parallel ranks (sharded
-        parameters gathered), so every one of them must run as many forwards."""
-        return False
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel processes (each reads a different share of the data)."""
-        return self.topology.world_size if self.spec.multiprocess else 1
-
-    @property
-    def dp_rank(self) -> int:
-        """This process's index among the data-parallel processes."""
-        return self.topology.rank if self.spec.multiprocess else 0
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        """The process group of the data-parallel processes (None: the default group)."""
-        return None
-
-    @property
-    def layout_text(self) -> str | None:
-        """How the processes split the work (``dp2 x pp1 x tp1``), where it says more than
-        the strategy's name."""
-        return None
-
-    @property
-    def lockstep(self) -> bool:
-        """True if every training process takes each step together (synchronous training),
-        so reads of per-step values can be collective over `train_group`."""
-        return self.spec.multiprocess
-
-    @property
-    def train_group(self) -> dist.ProcessGroup | None:
-        """Every process that runs the training loop (barriers, per-rank records); the
-        data-parallel processes unless model parallelism adds more (None: the default group)."""
-        return self.dp_group
-
-    @property
-    def input_device(self) -> torch.device:
-        """Where the Engine puts each batch before calling the model."""
-        return self.topology.device
-
-    @property
-    def splits_model(self) -> bool:
-        """True if the optimizer each rank steps holds only part of the model or of its
-        state (sharded, pipelined, tensor-parallel, parameter servers)."""
-        return False
-
-    @property
-    def places_parts(self) -> bool:
-        """True if `setup` places only this rank's part of the model on its device (shards,
-        stages, slices), so that a model built on the meta device is materialised and
-        initialised there part by part (`deferred`); False: the Engine materialises it
-        whole on the device before `setup`."""
-        return False
-
-    @property
-    def micro_splits(self) -> int:
-        """How many equal parts one process's batch is further split into (towers, pipeline
-        micro-batches)."""
-        return 1
 
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None
@@ -165,16 +101,16 @@ class Strategy(CheckpointState):
         """bf16 or fp16 autocast for --precision bf16-mixed or fp16-mixed, unless the
         strategy's wrappers apply the precision themselves (FSDP's mixed-precision policy)."""
         dtype = compute_dtype(self.config.precision)
-        if dtype is None or self.handles_precision:
+        if dtype is None or self.placement.handles_precision:
             return contextlib.nullcontext()
         return torch.autocast(self.topology.device.type, dtype=dtype)
 
     def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
         """The step seam: forward and backward of one micro-batch of one process.
 
-        `batch` is on `input_device`, in any of the shapes `dtrain.batches` describes (an
-        ``(inputs, targets)`` pair, a dict, or a nesting of tensors); its mean loss is
-        back-propagated times `scale` (its share of the step's samples). Returns the
+        `batch` is on `placement.input_device`, in any of the shapes `dtrain.batches`
+        describes (an ``(inputs, targets)`` pair, a dict, or a nesting of tensors); its mean
+        loss is back-propagated times `scale` (its share of the step's samples). Returns the
         unscaled loss, detached, on the device: never read back here, so the step does not
         wait for the device. Every strategy's work for a step happens here or in the
         optimizer's step.
@@ -197,13 +133,8 @@ class Strategy(CheckpointState):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients the optimizer is about to apply to the global norm
         `max_norm`; return the norm before clipping (see `dtrain.parallel.clip`)."""
-        return clip_grad_norm(self.unwrap().parameters(), max_norm, self.grad_norm_groups)
-
-    @property
-    def grad_norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """Groups whose ranks hold gradients of different parameters, not expressed as
-        DTensor placements (pipeline stages): the norm's squares are summed over them."""
-        return ()
+        groups = self.placement.grad_norm_groups
+        return clip_grad_norm(self.unwrap().parameters(), max_norm, groups)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

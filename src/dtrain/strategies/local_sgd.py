@@ -33,6 +33,7 @@ as after a sync).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ class LocalSGD(Strategy):
         lr, momentum = OUTER_DEFAULTS.get(config.outer_optimizer, (0.0, 0.0))
         self.outer_lr = lr if config.outer_lr is None else config.outer_lr
         self.outer_momentum = momentum if config.outer_momentum is None else config.outer_momentum
+        self.placement = replace(self.placement, layout_text=self._layout_text())
         self.since_sync = 0
         """Optimizer steps taken since the last sync (the same on every replica)."""
         self.syncs = 0
@@ -84,8 +86,8 @@ class LocalSGD(Strategy):
         """Both checkpoint formats save the replicas' mean (`full_state`)."""
         return False
 
-    @property
-    def layout_text(self) -> str | None:
+    def _layout_text(self) -> str:
+        """How often the replicas sync and how (the setup banner's layout)."""
         text = f"sync every {self.sync_every} step{'s' if self.sync_every > 1 else ''}"
         if self.config.outer_optimizer == "none":
             return text + ", averaging"
@@ -145,8 +147,8 @@ class LocalSGD(Strategy):
     # -- the sync -------------------------------------------------------------------------
     def _average(self, tensors: list[torch.Tensor]) -> None:
         """Replace each of `tensors` by its mean over the replicas (one all-reduce)."""
-        if tensors and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
-            average_parameters(iter(tensors), self.dp_group)  # type: ignore[arg-type]
+        if tensors and dist.is_initialized() and dist.get_world_size(self.placement.dp_group) > 1:
+            average_parameters(iter(tensors), self.placement.dp_group)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -228,7 +230,7 @@ class LocalSGD(Strategy):
         }
         if self.since_sync:
             state["model"] = model_tensors(module)
-        if self._outer is not None and self.dp_rank == 0:
+        if self._outer is not None and self.placement.dp_rank == 0:
             outer = self._outer.state_dict()
             state["synced"] = [g.detach().cpu() for g in self._synced]
             state["outer"] = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.parallel.unused import UnusedWatch
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
+from dtrain.strategies.placement import Placement
 from dtrain.strategies.rebuild import group_names, repoint
 from dtrain.strategies.specs import MeshSpec
 from dtrain.topology import Topology
@@ -58,6 +60,7 @@ class MeshStrategy(Strategy):
         self.dp_mode = spec.dp_mode(config)
         """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
         self.mesh = parallel_mesh(self.degrees, topology.device.type)
+        self.placement = self._placement()
         self.parts: Parallelized | None = None
         self._whole: dict[str, torch.Size] = {}
         self._user: nn.Module | None = None
@@ -82,36 +85,28 @@ class MeshStrategy(Strategy):
             return None
         return shard_options(self.config, self.dp_mode == "zero3", self.degrees.pp_enabled)
 
-    @property
-    def handles_precision(self) -> bool:
-        return self.shard is not None
-
-    @property
-    def collective_forward(self) -> bool:
-        """Sharded parameters are gathered in forward, and replicas of pipeline stages or
-        tensor-parallel layers (`replicate`) act there too."""
+    def _placement(self) -> Placement:
+        """Where the work runs, from the degrees and the mesh."""
         d = self.degrees
-        return self.shard is not None or (d.dp_enabled and (d.pp_enabled or d.tp_enabled))
-
-    @property
-    def layout_text(self) -> str | None:
-        return self.degrees.describe()
-
-    @property
-    def dp_size(self) -> int:
-        return self.degrees.dp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.dp_rank
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.dp_group
-
-    @property
-    def train_group(self) -> dist.ProcessGroup | None:
-        return None
+        sharded = self.shard is not None
+        parts = sharded or d.pp_enabled or d.tp_enabled
+        return replace(
+            self.placement,
+            dp_size=d.dp,
+            dp_rank=self.mesh.dp_rank,
+            dp_group=self.mesh.dp_group,
+            train_group=None,  # the stages and tensor-parallel ranks train too: every rank
+            micro_splits=microbatches(self.config, d.pp) if d.pp_enabled else 1,
+            splits_model=parts,
+            places_parts=parts,
+            # Sharded parameters are gathered in forward, and replicas of pipeline stages
+            # or tensor-parallel layers (`replicate`) act there too.
+            collective_forward=sharded or (d.dp_enabled and (d.pp_enabled or d.tp_enabled)),
+            handles_precision=sharded,
+            # Pipeline stages hold different layers: their gradient norms add up.
+            grad_norm_groups=(self.mesh.group("pp"),) if d.pp_enabled else (),
+            layout_text=d.describe(),
+        )
 
     @property
     def pipeline(self) -> Pipeline | None:
@@ -122,25 +117,6 @@ class MeshStrategy(Strategy):
     def pipelined(self) -> bool:
         return self.degrees.pp_enabled
 
-    @property
-    def micro_splits(self) -> int:
-        return microbatches(self.config, self.degrees.pp) if self.pipelined else 1
-
-    @property
-    def splits_model(self) -> bool:
-        d = self.degrees
-        return self.shard is not None or d.pp_enabled or d.tp_enabled
-
-    @property
-    def places_parts(self) -> bool:
-        d = self.degrees
-        return self.shard is not None or d.pp_enabled or d.tp_enabled
-
-    @property
-    def grad_norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """Pipeline stages hold different layers: their gradient norms add up."""
-        return (self.mesh.group("pp"),) if self.pipelined else ()
-
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """As every strategy does; a weight tied across pipeline stages counts once in the
         norm (its copies hold the same summed gradient) and every copy is scaled."""
@@ -149,7 +125,7 @@ class MeshStrategy(Strategy):
             return super().clip_grad_norm_(max_norm)
         skip = {id(p) for p in copies}
         counted = [p for p in self.unwrap().parameters() if id(p) not in skip]
-        norm = clip_grad_norm(counted, max_norm, self.grad_norm_groups)
+        norm = clip_grad_norm(counted, max_norm, self.placement.grad_norm_groups)
         with torch.no_grad():
             for p in copies:
                 if p.grad is not None:
@@ -244,7 +220,7 @@ class MeshStrategy(Strategy):
         with self.autocast():
             loss = pipeline.step(inputs, targets, loss_fn, self.loss_scaling)
         if self.degrees.dp_enabled:
-            dist.all_reduce(loss, group=self.dp_group)
+            dist.all_reduce(loss, group=self.placement.dp_group)
             loss = loss / self.degrees.dp
         return loss
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -197,14 +198,10 @@ class Towers(Strategy):
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
         self.devices, self.param_device = tower_devices(config)
-
-    @property
-    def input_device(self) -> torch.device:
-        return self.param_device
-
-    @property
-    def micro_splits(self) -> int:
-        return len(self.devices)
+        # Batches arrive on the parameter device, where the towers' outputs are gathered.
+        self.placement = replace(
+            self.placement, input_device=self.param_device, micro_splits=len(self.devices)
+        )
 
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None

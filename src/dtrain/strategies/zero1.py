@@ -8,25 +8,28 @@ gradients + 8 psi / N optimizer state.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
 from dtrain.strategies.mesh import MeshStrategy
 from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
 from dtrain.strategies.state import CheckpointState
+from dtrain.topology import Topology
 
 
 class Zero1(MeshStrategy):
     """DDP's replicas, optimizer state sharded over the data-parallel ranks."""
 
-    @property
-    def splits_model(self) -> bool:
-        """Each rank's optimizer holds the state of its shard of the parameters."""
-        return True
+    def __init__(self, config: Config, topology: Topology) -> None:
+        super().__init__(config, topology)
+        # Each rank's optimizer holds the state of its shard of the parameters.
+        self.placement = replace(self.placement, splits_model=True)
 
     @property
     def state_by_module(self) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,7 +52,19 @@ class ParameterServer(Strategy):
         self.client: Client | None = None
         self.optimizer: WorkerOptimizer | None = None
         self.plan: sharding.Plan | None = None
-        self._workers_group: dist.ProcessGroup | None = None
+        self.placement = replace(
+            self.placement,
+            dp_size=self.workers,
+            dp_rank=self.roles.index(topology.rank),
+            splits_model=True,
+            # Only sync rounds without backup workers hold every worker to the same step.
+            # In async and ssp, and with backup workers, a worker may run ahead of a slower
+            # one: a collective read of a per-step value (the Engine's loss) would make it
+            # wait for the slowest, undoing what those modes are for.
+            lockstep=config.ps_mode == "sync" and config.backup_workers == 0,
+        )
+        """The workers' group (`dp_group`, `train_group`) exists once `setup`'s handshake
+        made it; until then they are None."""
         self._fresh = False
         """True while this worker holds the servers' latest parameters (refreshed or
         loaded, no step committed since)."""
@@ -60,18 +73,6 @@ class ParameterServer(Strategy):
         (sync), or the factor for this worker's gradient (async, ssp)."""
         self._holding = False
         """Inside `no_sync`: the micro-batch's gradients are not final yet."""
-
-    @property
-    def dp_size(self) -> int:
-        return self.workers
-
-    @property
-    def dp_rank(self) -> int:
-        return self.roles.index(self.topology.rank)
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return self._workers_group
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clipping happens where the update is made. Sync: the servers clip the round's
@@ -89,21 +90,9 @@ class ParameterServer(Strategy):
         return norm
 
     @property
-    def splits_model(self) -> bool:
-        return True
-
-    @property
     def state_by_module(self) -> bool:
         """The servers hold the optimizer state; the worker's optimizer only forwards."""
         return False
-
-    @property
-    def lockstep(self) -> bool:
-        """Only sync rounds without backup workers hold every worker to the same step. In
-        async and ssp, and with backup workers, a worker may run ahead of a slower one: a
-        collective read of a per-step value (the Engine's loss) would make it wait for the
-        slowest, undoing what those modes are for."""
-        return self.config.ps_mode == "sync" and self.config.backup_workers == 0
 
     # -- setup ---------------------------------------------------------------------------
     def setup(
@@ -119,10 +108,12 @@ class ParameterServer(Strategy):
         store = FlatParameters(params)
         start = handshake(Description.of(optimizer), store.host(), self.roles)
         store.assign(start.values)
-        self._workers_group = start.workers
+        # The workers read the data and run the loop; the servers do neither.
+        workers = start.workers
+        self.placement = replace(self.placement, dp_group=workers, train_group=workers)
         self._broadcast_rest(model, params)
         if self.config.sync_batchnorm:  # the same parameter and buffer objects, regrouped
-            model = convert_sync_batchnorm(model, self._workers_group, self.topology.device)
+            model = convert_sync_batchnorm(model, self.placement.dp_group, self.topology.device)
         self.plan = start.description.plan(self.config.servers)
         self.model = model
         if self.config.compile or compiled:
@@ -132,7 +123,7 @@ class ParameterServer(Strategy):
             self.plan,
             store,
             start.channel,
-            self.dp_rank,
+            self.placement.dp_rank,
             self.roles.server_ranks,
             settings.width,
             self.config.ps_mode == "sync" and self.workers > 1,
@@ -163,7 +154,7 @@ class ParameterServer(Strategy):
         if not tensors:
             return
         flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
-        dist.broadcast(flat, src=0, group=self._workers_group)
+        dist.broadcast(flat, src=0, group=self.placement.dp_group)
         offset = 0
         with torch.no_grad():
             for t in tensors:
@@ -211,12 +202,12 @@ class ParameterServer(Strategy):
         """
         self._client.pause()
         self._client.wait_pulls()
-        dist.barrier(group=self._workers_group)
+        dist.barrier(group=self.placement.dp_group)
 
     def _resume(self) -> None:
         """End a `_settle`: every server knows every worker steps again before any does."""
         self._client.pause(False)
-        dist.barrier(group=self._workers_group)
+        dist.barrier(group=self.placement.dp_group)
 
     def refresh(self) -> None:
         """Every worker reads the servers' parameters after all committed steps
