@@ -132,13 +132,14 @@ def test_groups_that_span_machines_run_at_the_links_between_them() -> None:
     assert math.isclose(inputs.stage_send(1e6, stages), 1e-4 + 0.1)
     # The mesh is pp x dp x tp, tp innermost; on 2 machines of 2: with pp 2 x dp 2 the
     # stages are machines apart and each dp pair shares one; with dp 2 x tp 2 the
-    # replicas of a tp shard (ranks 0 and 2) are machines apart.
+    # replicas of a tp shard (ranks 0 and 2) are machines apart, and the two shards'
+    # all-reduces (ranks 0-2 and 1-3) share each machine's link.
     piped = Layout("hybrid", nproc=2, nnodes=2, dp=2, pp=2)
     assert inputs.stage_send(1e6, piped) > 0.1
     assert inputs.allreduce(1e6, 2, piped, stride=1) < 0.01
     split = Layout("hybrid", nproc=2, nnodes=2, dp=2, tp=2)
-    # 2 ranks, 10 MB/s: 2 x 1/2 x 1 MB / 10 MB/s + 2 latencies = 0.1002 s.
-    assert math.isclose(inputs.allreduce(1e6, 2, split, stride=2), 0.1002)
+    # 2 ranks, 10 MB/s: 2 shards x 2 x 1/2 x 1 MB / 10 MB/s + 2 latencies = 0.2002 s.
+    assert math.isclose(inputs.allreduce(1e6, 2, split, stride=2), 0.2002)
 
 
 def test_links_interpolate_the_measured_table() -> None:

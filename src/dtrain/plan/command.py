@@ -160,7 +160,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         )
     estimates = rank(estimates)
     explanation = report.explain(estimates, machine.memory_per_device)
-    pays = report.where_inexact_pays(estimates, _link_words(args, link, machine))
+    pays = report.where_approximate_pays(estimates, _link_words(args, link, machine))
     if pays:
         explanation += "\n\n" + pays
     if args.top:

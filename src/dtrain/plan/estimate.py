@@ -5,8 +5,11 @@ the communication that compute does not hide; the step is t1 + t2 + the optimize
 pipeline's idle fill and drain). Each strategy's terms are in its function below; the
 formulas themselves are in `dtrain.plan.costs` and docs/plan.md.
 
-The layouts that change the training (--grad-compression, local-sgd: `Layout.exact` is
-False) rank above an exact one only when clearly faster (`rank`).
+The ranking (`rank`) keeps the promise of the same training first: the exact layouts and
+the rounded ones (a 16-bit --grad-compression: the same training within the format's
+rounding, `Layout.training`) compete on predicted speed, a rounded one only just behind
+an exact one in a near tie; the approximate ones (PowerSGD, local SGD, DiLoCo: their loss
+can differ) come after all of them, however much faster they are predicted.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from dtrain.plan.model_parallel import model_parallel
 
 __all__ = ["Estimate", "Inputs", "estimate", "probe_points", "rank", "wrappers_of"]
 
-EXACT_PREFERENCE = 1.1
-"""An inexact layout ranks above an exact one only when predicted more than this many
-times as fast: within the cost model's error (about 10%), the layout that trains the
-same model as `single` wins."""
+ROUNDED_PREFERENCE = 1.03
+"""A rounded layout ranks above an exact one only when predicted more than this many times
+as fast: in a near tie the layout without the cast wins, as it trains `single`'s model to
+the last bit."""
 INEXACT_SHARE = 0.25
 """On one machine the inexact layouts are offered only where exact ddp spends at least
 this share of its step communicating; elsewhere they change the training for little."""
@@ -238,13 +241,19 @@ def estimate(inputs: Inputs, layout: Layout) -> Estimate:
 
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:
-    """`estimates` best first, by predicted samples per second, an inexact layout's
-    divided by `EXACT_PREFERENCE`: it must be clearly faster to rank above an exact one."""
+    """`estimates` best first: the layouts that keep the training (exact and rounded) by
+    predicted samples per second, a rounded one's divided by `ROUNDED_PREFERENCE`; then the
+    approximate ones by samples per second. An approximate layout never ranks above one
+    that keeps the training: on slow links local SGD is predicted many times as fast, but
+    its loss can be several percent worse (docs/benchmarks.md, "Slow links"), and a
+    prediction cannot weigh speed against loss."""
 
-    def score(e: Estimate) -> float:
-        return e.samples_per_second / (1.0 if e.layout.exact else EXACT_PREFERENCE)
+    def key(e: Estimate) -> tuple[bool, float]:
+        training = e.layout.training
+        preference = ROUNDED_PREFERENCE if training == "rounded" else 1.0
+        return training == "approximate", -e.samples_per_second / preference
 
-    return sorted(estimates, key=lambda e: -score(e))
+    return sorted(estimates, key=key)
 
 
 def inexact_unneeded(estimates: list[Estimate]) -> str | None:
@@ -258,8 +267,9 @@ def inexact_unneeded(estimates: list[Estimate]) -> str | None:
         return None
     return (
         f"ddp communicates {share:.0%} of its step on this machine's links (under "
-        f"{INEXACT_SHARE:.0%}), so compression and local SGD would change the training for "
-        "little speed; they are offered across machines, or where the links are slow."
+        f"{INEXACT_SHARE:.0%}), so 16-bit gradients, PowerSGD and local SGD would round or "
+        "change the training for little speed; they are offered across machines, or where "
+        "the links are slow."
     )
 
 

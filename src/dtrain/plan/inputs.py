@@ -141,7 +141,8 @@ class Inputs:
         apart (the product of the mesh's inner dimensions: tp for a dp group, dp x tp for
         the pipeline's stages): on the measured links inside a machine, or, when the group
         spans machines, as a ring through the links between them, whose every step waits
-        for them (bus bytes over their bandwidth, a latency per step). gloo's
+        for them (bus bytes over their bandwidth, shared with the other groups that cross
+        them at once, `crossing_groups`; a latency per step). gloo's
         reduce-scatter (the CPU's) moves an all-reduce's bytes, twice a ring
         reduce-scatter's (counted on the wire: 2 S for 2 ranks), so across machines it
         costs an all-reduce; inside one the link probe measured the op itself."""
@@ -153,7 +154,8 @@ class Inputs:
             return self.allreduce(size, n, layout, stride)
         bandwidth, latency = self.machine.inter_node
         steps = n - 1 if op in ("all_gather", "reduce_scatter") else 1
-        return latency * steps + bus_factor(op, n) * size / bandwidth
+        shared = crossing_groups(stride, layout)
+        return latency * steps + bus_factor(op, n) * shared * size / bandwidth
 
     def stage_send(self, size: float, layout: Layout) -> float:
         """One pipeline hand-over of `size` bytes: between machines when the stages span
@@ -168,14 +170,16 @@ class Inputs:
     ) -> float:
         """One all-reduce of `size` bytes over a group of `n` ranks `stride` apart: inside
         a machine on the measured links; the whole job across machines as a flat ring or
-        hierarchically; a smaller group across machines as a ring through their links.
+        hierarchically; a smaller group across machines as a ring through their links,
+        which it shares with the other groups that cross them at once (`crossing_groups`).
         `cast` is the bytes sent per byte of the message (`costs.cast_bytes_factor`):
         under --hierarchical only the bytes that cross machines are cast."""
         if not spans_machines(n, stride, layout):
             return self.local("all_reduce", cast * size, n)
         bandwidth, latency = self.machine.inter_node
         if n < layout.world:
-            return costs.ring_allreduce_seconds(cast * size, n, bandwidth, latency * 2 * (n - 1))
+            shared = crossing_groups(stride, layout) * cast * size
+            return costs.ring_allreduce_seconds(shared, n, bandwidth, latency * 2 * (n - 1))
         intra = (self.links.bus_bandwidth, self.links.latency_seconds)
         if layout.hierarchical:
             return costs.hierarchical_seconds(
@@ -190,6 +194,15 @@ def spans_machines(n: int, stride: int, layout: Layout) -> bool:
     """True if a group of `n` ranks `stride` apart holds ranks of more than one machine
     (ranks fill machines in order, `layout.nproc` each)."""
     return layout.nnodes > 1 and stride * (n - 1) + 1 > layout.nproc
+
+
+def crossing_groups(stride: int, layout: Layout) -> int:
+    """How many groups of ranks `stride` apart send through a machine's link at once: the
+    groups of one collective run together, and a machine's ranks in different groups (at
+    most its `nproc`) each carry their group's ring across. hsdp's replica groups, one per
+    shard, are `shard_size` apart: a machine of g ranks sends g shards' all-reduces, 2(h-1)/h
+    S in all (docs/benchmarks.md measured 1.05 S per host at 2x2)."""
+    return min(layout.nproc, stride)
 
 
 def activation_bytes(inputs: Inputs, batch: float) -> float:

@@ -11,16 +11,19 @@ for leaving each other one out is kept for the report.
 
 `inexact_layouts` adds the layouts that send fewer bytes by changing the training:
 --grad-compression (a 16-bit cast under ddp, zero1, hierarchical ddp and hsdp; PowerSGD
-under ddp and zero1) and local-sgd (plain averaging and DiLoCo). They are not `exact`:
-the plan marks them and ranks them first only when they are clearly faster
-(`dtrain.plan.estimate.rank`).
+under ddp and zero1) and local-sgd (plain averaging and DiLoCo). Each layout has a
+`Layout.training` class: "exact" (the same model as `single`), "rounded" (a 16-bit cast:
+the same training within the format's rounding of each gradient) or "approximate"
+(PowerSGD, local SGD, DiLoCo: a different training, whose loss can differ). Exact and
+rounded layouts compete on speed; approximate ones rank after every layout that keeps the
+training, however fast (`dtrain.plan.estimate.rank`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtrain.config import Config
+from dtrain.config import Config, grad_compression
 from dtrain.errors import ConfigError
 
 MASTER_PLACEHOLDER = "NODE0:29500"
@@ -58,10 +61,23 @@ class Layout:
     """local-sgd: DiLoCo's outer optimizer, or none for plain averaging."""
 
     @property
+    def training(self) -> str:
+        """How faithfully the layout trains `single`'s model: "exact" (the same, up to
+        float rounding); "rounded" (each gradient is cast to 16 bits for its reduction: the
+        same training within the format's rounding, as the cast keeps each gradient's
+        direction); "approximate" (PowerSGD's low-rank factors, local SGD's and DiLoCo's
+        replicas that drift apart between syncs: the loss can differ)."""
+        if self.strategy == "local-sgd":
+            return "approximate"
+        kind, _ = grad_compression(self.grad_compression)
+        if kind == "none":
+            return "exact"
+        return "approximate" if kind == "powersgd" else "rounded"
+
+    @property
     def exact(self) -> bool:
-        """True if the layout trains the same model as `single` (up to float rounding);
-        False where it sends less by changing the training."""
-        return self.grad_compression == "none" and self.strategy != "local-sgd"
+        """True if the layout trains the same model as `single` (up to float rounding)."""
+        return self.training == "exact"
 
     @property
     def note(self) -> str:
@@ -73,16 +89,17 @@ class Layout:
                 f"Changes the training: the replicas train alone for {self.sync_every} steps "
                 f"and drift apart between syncs ({how} them); {check}"
             )
-        if self.grad_compression.startswith("powersgd"):
+        kind, rank = grad_compression(self.grad_compression)
+        if kind == "powersgd":
             return (
-                "Changes the training: PowerSGD approximates each gradient matrix by "
-                f"rank-{self.grad_compression.partition(':')[2]} factors (with error "
-                f"feedback); {check}"
+                f"Changes the training: PowerSGD approximates each gradient matrix by rank-{rank} "
+                f"factors (with error feedback); {check}"
             )
-        if self.grad_compression != "none":
+        if kind != "none":
+            where = "it crosses machines" if self.hierarchical else "it is averaged"
             return (
-                f"Changes the training: the gradients are averaged rounded to "
-                f"{self.grad_compression}; {check}"
+                f"Rounds each gradient to {kind} before {where}: the same training within "
+                f"{kind}'s rounding."
             )
         return ""
 

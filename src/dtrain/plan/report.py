@@ -1,6 +1,7 @@
 """What `dtrain plan` prints: the candidates as JSON or as a table, and the first pick
 explained in the seeds' terms (t1 compute against t2 communication, the per-device
-batch, the bubble, memory), and where the layouts that change the training pay."""
+batch, the bubble, memory), and what the fastest layout that changes the training would
+gain over it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from dtrain.config import grad_compression
-from dtrain.plan.estimate import EXACT_PREFERENCE, Estimate
+from dtrain.plan.estimate import ROUNDED_PREFERENCE, Estimate
 from dtrain.plan.layouts import Layout
 
 MIB = 2**20
@@ -37,6 +38,7 @@ def candidate(e: Estimate, command_prefix: str | None) -> dict[str, Any]:
         "activation_bytes": int(e.activation_bytes),
         "fits": e.fits,
         "exact": e.layout.exact,
+        "training": e.layout.training,
     }
     if not e.layout.exact:
         out["note"] = e.layout.note
@@ -48,25 +50,36 @@ def candidate(e: Estimate, command_prefix: str | None) -> dict[str, Any]:
 
 
 def table(ranked: list[Estimate]) -> str:
-    """The candidates, best first, one line each."""
+    """The candidates, best first, one line each: those that keep the training, then the
+    approximate ones under their own heading."""
     head = (
         f"{'#':>3}  {'samples/s':>10} {'step ms':>9} {'t1 ms':>8} {'t2 ms':>8} "
         f"{'wait ms':>8} {'MiB/rank':>9}  flags"
     )
     lines = [head]
     for i, e in enumerate(ranked, 1):
+        if not _keeps(e) and (i == 1 or _keeps(ranked[i - 2])):
+            lines.append(
+                "  Approximate: these change the training (PowerSGD, local SGD, DiLoCo) and "
+                "rank after every layout that keeps it; check one's loss before using it."
+            )
         lines.append(
             f"{i:>3}  {e.samples_per_second:>10,.1f} {e.step_seconds * 1e3:>9.2f} "
             f"{e.compute_seconds * 1e3:>8.2f} {e.communication_seconds * 1e3:>8.2f} "
             f"{e.wait_seconds * 1e3:>8.2f} {e.memory_bytes_per_rank / MIB:>9.1f}  "
-            f"{e.layout.flags()}{'' if e.layout.exact else ' *'}"
+            f"{e.layout.flags()}{' ~' if e.layout.training == 'rounded' else ''}"
         )
-    if not all(e.layout.exact for e in ranked):
+    if any(e.layout.training == "rounded" for e in ranked):
         lines.append(
-            "  * changes the training (gradient compression, local SGD): check the loss; "
-            "--json gives each one's note."
+            "  ~ rounds each gradient to 16 bits: the same training within the format's "
+            "rounding; --json gives each one's note."
         )
     return "\n".join(lines)
+
+
+def _keeps(e: Estimate) -> bool:
+    """True if `e`'s layout keeps the training (exact or rounded)."""
+    return e.layout.training != "approximate"
 
 
 def explain(ranked: list[Estimate], memory_per_device: float) -> str:
@@ -119,24 +132,33 @@ def explain(ranked: list[Estimate], memory_per_device: float) -> str:
         f"{best.model_state_bytes / MIB:,.1f} MiB + activations "
         f"{best.activation_bytes / MIB:,.1f} MiB) of {memory_per_device / MIB:,.0f} MiB."
     )
-    if len(ranked) > 1:
-        runner = ranked[1]
+    # The runner-up of the pick's own group: an approximate layout ranks lower however fast.
+    runner = next((e for e in ranked[1:] if _keeps(e) == _keeps(best)), None)
+    if runner is not None:
         gap = best.samples_per_second / runner.samples_per_second - 1
-        parts.append(
-            f"The next best, {runner.layout.flags()}, is predicted {gap:.0%} slower"
-            + (" (within the model's error: try both)." if gap < 0.1 else ".")
-        )
+        if gap < 0:
+            parts.append(
+                f"The next, {runner.layout.flags()}, is predicted {-gap:.1%} faster but "
+                f"rounds each gradient: within {ROUNDED_PREFERENCE - 1:.0%} the exact layout "
+                "comes first (try both)."
+            )
+        else:
+            parts.append(
+                f"The next best, {runner.layout.flags()}, is predicted {gap:.0%} slower"
+                + (" (within the model's error: try both)." if gap < 0.1 else ".")
+            )
     return " ".join(parts)
 
 
-def where_inexact_pays(ranked: list[Estimate], link: str) -> str | None:
-    """For the best candidate that changes the training, what it saves in t1/t2 terms
-    against the exact layout it changes, across `link` (words naming the links the
-    gradients cross), and whether that is worth it; None if there is no such candidate."""
-    inexact = next((e for e in ranked if not e.layout.exact), None)
-    if inexact is None:
+def where_approximate_pays(ranked: list[Estimate], link: str) -> str | None:
+    """For the fastest candidate that changes the training (an approximate one), what it
+    saves in t1/t2 terms against the exact layout it changes, across `link` (words naming
+    the links the gradients cross), and how much faster than the pick it is predicted,
+    with its loss still to check; None if there is no such candidate."""
+    approximate = next((e for e in ranked if not _keeps(e)), None)
+    if approximate is None:
         return None
-    lay = inexact.layout
+    lay = approximate.layout
     base = (
         Layout("ddp", nproc=lay.nproc, nnodes=lay.nnodes)
         if lay.strategy == "local-sgd"
@@ -148,33 +170,31 @@ def where_inexact_pays(ranked: list[Estimate], link: str) -> str | None:
         parts.append(
             f"Under {base.flags()}, communication takes t2 = {_ms(exact.communication_seconds)} "
             f"per step against t1 = {_ms(exact.compute_seconds)} of compute across {link}; "
-            f"{_saving(lay, inexact, exact)}, so {lay.flags()} is predicted at t2 = "
-            f"{_ms(inexact.communication_seconds)}."
+            f"{_saving(lay, approximate, exact)}, so {lay.flags()} is predicted at t2 = "
+            f"{_ms(approximate.communication_seconds)}."
         )
     else:
         parts.append(
-            f"{lay.flags()} communicates t2 = {_ms(inexact.communication_seconds)} per step "
-            f"against t1 = {_ms(inexact.compute_seconds)} of compute across {link}."
+            f"{lay.flags()} communicates t2 = {_ms(approximate.communication_seconds)} per "
+            f"step against t1 = {_ms(approximate.compute_seconds)} of compute across {link}."
         )
-    best_exact = next((e for e in ranked if e.layout.exact), None)
-    if ranked[0] is inexact:
-        gain = (
-            f", {inexact.samples_per_second / best_exact.samples_per_second - 1:.0%} faster "
-            "than the best exact layout"
-            if best_exact is not None
-            else ""
-        )
-        parts.append(f"It pays: it ranks first{gain}.")
-    elif inexact.samples_per_second <= ranked[0].samples_per_second:
+    pick = ranked[0]
+    if pick is approximate:
         parts.append(
-            f"It does not pay here: {ranked[0].layout.flags()} is predicted as fast or faster "
-            "and trains the same model."
+            "No layout that keeps the training is left, so it ranks first: check its loss "
+            "before relying on it."
+        )
+    elif approximate.samples_per_second > pick.samples_per_second:
+        parts.append(
+            f"It is predicted {approximate.samples_per_second / pick.samples_per_second:.2f}x "
+            "as fast as the first pick, but it changes the training, so it ranks after every "
+            "layout that keeps it: its loss must be checked (train both for the same steps "
+            "and compare) before it replaces the pick."
         )
     else:
         parts.append(
-            f"It does not pay here: an exact layout ranks first, as a layout that changes "
-            f"the training must be predicted more than {EXACT_PREFERENCE - 1:.0%} faster "
-            "to rank above one that trains the same model."
+            f"It does not pay here: {pick.layout.flags()} is predicted as fast or faster and "
+            "keeps the training."
         )
     return " ".join(parts)
 
@@ -183,19 +203,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-def _saving(lay: Layout, inexact: Estimate, exact: Estimate) -> str:
+def _saving(lay: Layout, approximate: Estimate, exact: Estimate) -> str:
     """What `lay` changes to send less, in a clause."""
     if lay.strategy == "local-sgd":
         return (
             f"local SGD at H = {lay.sync_every} all-reduces the parameters once every "
             f"{lay.sync_every} steps, dividing t2 by about {lay.sync_every}"
         )
-    kind, rank = grad_compression(lay.grad_compression)
-    if kind == "powersgd":
-        extra = inexact.overhead_seconds - exact.overhead_seconds
-        return (
-            f"PowerSGD sends each gradient matrix as two rank-{rank} factors for "
-            f"{extra * 1e3:.2f} ms more compute"
-        )
-    where = " between machines" if lay.hierarchical else ""
-    return f"{kind} halves the bytes of the gradient all-reduce{where}"
+    _, rank = grad_compression(lay.grad_compression)  # PowerSGD, the other approximate kind
+    extra = approximate.overhead_seconds - exact.overhead_seconds
+    return (
+        f"PowerSGD sends each gradient matrix as two rank-{rank} factors for "
+        f"{extra * 1e3:.2f} ms more compute"
+    )
