@@ -7,9 +7,11 @@ Run by hand, as root (test hosts are network namespaces, tests/cluster.py), not 
 
 For each host count it builds that many test hosts whose egress (eth0) is shaped to
 `--rate` with tbf, and runs `dtrain demo` on every host (2 processes each, plus the servers
-for ps) once per case: flat ddp, with each --grad-compression (fp16, bf16, powersgd:1 and
-:4), `--hierarchical` (fp32 and bf16 across hosts), zero3, hsdp (`--shard-size 2`), ps with
-1 and 2 servers per host, local SGD and DiLoCo (nesterov outer optimizer) syncing every 8
+for ps) once per case: `single` (one process on the first host: the speed to beat), flat
+ddp, with each --grad-compression (fp16, bf16, powersgd:1 and :4), `--hierarchical` (fp32
+and bf16 across hosts), zero3, hsdp (`--shard-size 2`), ps with 1 and 2 servers per host,
+a pipeline of one stage per process, local SGD and DiLoCo (nesterov outer optimizer)
+syncing every 8
 and every 32 steps. Every case trains the same samples (the long step count at the same
 global batch, the demo's optimizer: adamw at lr 0.003 for gpt), so its final losses
 (`train_loss`, the last step's over the global batch, and `test_loss`) stand beside flat
@@ -72,6 +74,8 @@ class Case:
     """The formula's bytes per step per host link, in S."""
     period: int = 1
     """Steps between two exchanges: both step counts of a bytes measurement are multiples."""
+    alone: bool = False
+    """One process on the first host (single): what the others must beat."""
 
 
 LOCAL_SGD = (
@@ -90,6 +94,7 @@ def cases(hosts: int, model: list[str]) -> list[Case]:
     ddp = ("--strategy", "ddp")
     return [
         Case(BASELINE, ddp, ring_text, ring),
+        Case("single", ("--strategy", "single"), "nothing (one process)", 0.0, alone=True),
         *(
             Case(f"ddp {kind}", (*ddp, "--grad-compression", kind), f"{ring_text} / 2", ring / 2)
             for kind in ("fp16", "bf16")
@@ -108,6 +113,12 @@ def cases(hosts: int, model: list[str]) -> list[Case]:
             leaders / 2,
         ),
         Case("zero3", ("--strategy", "zero3"), f"3(n-1)/n S = {zero3:.2f} S", zero3),
+        Case(
+            f"pipeline --pp {n}",
+            ("--strategy", "pipeline"),
+            "activations and their gradients only (not a share of S)",
+            0.0,
+        ),
         Case(
             "hsdp --shard-size 2",
             ("--strategy", "hsdp", "--shard-size", str(g)),
@@ -202,10 +213,12 @@ def run(
     before = [tx_bytes(made, host) for host in made.hosts]
     procs = []
     try:
-        for rank, host in enumerate(made.hosts):
+        for rank, host in enumerate(made.hosts[:1] if case.alone else made.hosts):
             argv = [sys.executable, "-m", "dtrain.cli", "demo", *model, *case.flags]
-            argv += ["--nproc", str(PER_HOST), "--nnodes", str(len(made.hosts))]
-            argv += ["--node-rank", str(rank), "--master", master, "--timeout", "300"]
+            if not case.alone:
+                argv += ["--nproc", str(PER_HOST), "--nnodes", str(len(made.hosts))]
+                argv += ["--node-rank", str(rank), "--master", master]
+            argv += ["--timeout", "300"]
             argv += ["--steps", str(steps), "--global-batch-size", str(batch), "--seed", "0"]
             argv += ["--checkpoint-every", "100000", "--out", str(out / f"node{rank}")]
             argv += ["--metrics-json", str(out / f"metrics{rank}.json")]
