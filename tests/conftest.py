@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -24,6 +26,19 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Completed
         text=True,
         timeout=timeout,
     )
+
+
+def run_ckpt(*args: str) -> subprocess.CompletedProcess[str]:
+    """`dtrain ckpt ARGS` in this process, returned as `run_cli` returns a command. The
+    ckpt commands only read and write files: starting Python and torch for each costs
+    seconds (tests/test_cli.py runs them through the command line)."""
+    from dtrain import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["ckpt", *args])
+    command = ["dtrain", "ckpt", *args]
+    return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(autouse=True)

@@ -289,13 +289,24 @@ def _train(engine: dtrain.Engine, habit: Habit) -> Any:
 
 
 def run_habits(
-    strategy: str, names: list[str], extra: dict[str, Any] | None = None
+    strategy: str, names: list[str], extra: dict[str, Any] | None = None, close: bool = True
 ) -> dict[str, Any]:
-    """`run_habit` for each of `names` in this process group, one after the other."""
+    """`run_habit` for each of `names` in this process group, one after the other
+    (`close=False` keeps the group after the last)."""
     last = len(names) - 1
     return {
-        name: run_habit(strategy, name, close=i == last, extra=extra)
+        name: run_habit(strategy, name, close=close and i == last, extra=extra)
         for i, name in enumerate(names)
+    }
+
+
+def run_strategies(plan: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """`run_habits` for each strategy of `plan` (strategy -> habit names), one after the
+    other in this process group."""
+    last = len(plan) - 1
+    return {
+        strategy: run_habits(strategy, names, close=i == last)
+        for i, (strategy, names) in enumerate(plan.items())
     }
 
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -21,13 +22,55 @@ from dtrain.checkpoint.verify import verify
 from dtrain.errors import CheckpointError
 from dtrain.models.digits import DigitsCNN, DigitsMLP
 
+WRITTEN_AT_TWO = {
+    "ddp": {"strategy": "ddp"},
+    "zero1": {"strategy": "zero1"},
+    "zero2": {"strategy": "zero2"},
+    "zero3-gpt": {"strategy": "zero3", "model_name": "gpt"},
+}
+"""The checkpoints written at world size 2, after 5 steps, by name."""
+
+LOADED_AT_TWO = {
+    "zero1 into zero3": ("zero1", "zero3"),
+    "zero2 into zero3": ("zero2", "zero3"),
+    "single into ddp": ("single", "ddp"),
+    "towers into ddp": ("towers", "ddp"),
+}
+"""(checkpoint, strategy) pairs loaded at world size 2 and trained 5 steps on, by name."""
+
 
 @pytest.fixture(scope="module")
-def ddp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One job of two processes writing `WRITTEN_AT_TWO`, then loading `LOADED_AT_TWO`
+    (single and towers write theirs, after 5 steps, first). Returns the checkpoints' paths
+    ("paths", by name) and the main rank's parameters of each load ("loaded", by name)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    paths = {name: root / name for name in ["single", "towers", *WRITTEN_AT_TWO]}
+    train(steps=5, checkpoint_out=str(paths["single"]), strategy="single")
+    train(steps=5, checkpoint_out=str(paths["towers"]), strategy="towers", towers=2)
+    writers = [
+        {"steps": 5, "checkpoint_out": str(paths[name]), **options}
+        for name, options in WRITTEN_AT_TWO.items()
+    ]
+    loads = [
+        {"steps": 5, "checkpoint_in": str(paths[name]), "strategy": strategy}
+        for name, strategy in LOADED_AT_TWO.values()
+    ]
+    results = run_ranks(train_variants, 2, [*writers, *loads], timeout=280)[0]
+    loaded = dict(zip(LOADED_AT_TWO, results[len(writers) :], strict=True))
+    return {"paths": paths, "loaded": loaded}
+
+
+@pytest.fixture(scope="module")
+def ddp_checkpoint(two_processes: dict[str, Any]) -> Path:
     """A checkpoint written by ddp at world size 2 after 5 steps."""
-    path = tmp_path_factory.mktemp("ckpt") / "ddp-step5"
-    run_ranks(functools.partial(train, steps=5, checkpoint_out=str(path), strategy="ddp"), 2)
-    return path
+    return two_processes["paths"]["ddp"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict[str, torch.Tensor]:
+    """Single's parameters after 10 steps: where every resumed run must land."""
+    return train(steps=10, strategy="single")
 
 
 @pytest.mark.timeout(300)  # starts processes: not in the quick loop
@@ -46,11 +89,11 @@ def test_plain_pytorch_loads_it_without_dtrain(ddp_checkpoint: Path) -> None:
     model.load_state_dict(safetensors.torch.load_file(ddp_checkpoint / "model.safetensors"))
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 @pytest.mark.parametrize("options", [{"strategy": "single"}, {"strategy": "towers", "towers": 3}])
 def test_resume_under_another_strategy_continues_identically(
-    ddp_checkpoint: Path, options: dict
+    ddp_checkpoint: Path, uninterrupted: dict[str, torch.Tensor], options: dict
 ) -> None:
-    uninterrupted = train(steps=10, strategy="single")
     resumed = train(steps=5, checkpoint_in=str(ddp_checkpoint), **options)
     assert_close(resumed, uninterrupted)
 
@@ -113,13 +156,12 @@ def test_a_failed_write_leaves_the_previous_checkpoint(
     engine.close()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_zero3_checkpoint_resumes_under_single_and_zero2_at_another_world_size(
-    tmp_path: Path,
+    two_processes: dict[str, Any],
 ) -> None:
-    path = str(tmp_path / "zero3-step5")
+    path = str(two_processes["paths"]["zero3-gpt"])
     gpt = {"model_name": "gpt"}
-    run_ranks(functools.partial(train, steps=5, checkpoint_out=path, strategy="zero3", **gpt), 2)
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     assert (manifest["strategy"], manifest["world_size"], manifest["optimizer"]) == (
         "zero3",
@@ -134,33 +176,25 @@ def test_zero3_checkpoint_resumes_under_single_and_zero2_at_another_world_size(
     assert_close(resumed, uninterrupted)
 
 
-@pytest.mark.timeout(180)
-def test_zero1_and_zero2_checkpoints_resume_under_single_and_zero3(tmp_path: Path) -> None:
-    paths = [str(tmp_path / "zero1"), str(tmp_path / "zero2")]
-    variants = [
-        {"steps": 5, "checkpoint_out": path, "strategy": strategy}
-        for path, strategy in zip(paths, ("zero1", "zero2"), strict=True)
-    ]
-    run_ranks(train_variants, 2, variants)
-    state = torch.load(Path(paths[0]) / "optimizer.pt", weights_only=True)["state"]
+@pytest.mark.timeout(300)
+def test_zero1_and_zero2_checkpoints_resume_under_single_and_zero3(
+    two_processes: dict[str, Any], uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    paths, loaded = two_processes["paths"], two_processes["loaded"]
+    state = torch.load(paths["zero1"] / "optimizer.pt", weights_only=True)["state"]
     assert set(state) == {n for n, _ in DigitsMLP(hidden=32).named_parameters()}
-    uninterrupted = train(steps=10, strategy="single")
-    for path in paths:
-        assert_close(train(steps=5, checkpoint_in=path, strategy="single"), uninterrupted)
-    under_zero3 = [{"steps": 5, "checkpoint_in": path, "strategy": "zero3"} for path in paths]
-    for resumed in run_ranks(train_variants, 2, under_zero3)[0]:
+    for name in ("zero1", "zero2"):
+        resumed = train(steps=5, checkpoint_in=str(paths[name]), strategy="single")
         assert_close(resumed, uninterrupted)
+        assert_close(loaded[f"{name} into zero3"], uninterrupted)
 
 
-@pytest.mark.timeout(180)
-def test_one_process_checkpoints_resume_under_ddp(tmp_path: Path) -> None:
-    paths = [str(tmp_path / "single"), str(tmp_path / "towers")]
-    train(steps=5, checkpoint_out=paths[0], strategy="single")
-    train(steps=5, checkpoint_out=paths[1], strategy="towers", towers=2)
-    variants = [{"steps": 5, "checkpoint_in": path, "strategy": "ddp"} for path in paths]
-    uninterrupted = train(steps=10, strategy="single")
-    for resumed in run_ranks(train_variants, 2, variants)[0]:
-        assert_close(resumed, uninterrupted)
+@pytest.mark.timeout(300)
+def test_one_process_checkpoints_resume_under_ddp(
+    two_processes: dict[str, Any], uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    for name in ("single into ddp", "towers into ddp"):
+        assert_close(two_processes["loaded"][name], uninterrupted)
 
 
 def test_checkpoints_honour_the_umask(tmp_path: Path) -> None:

@@ -34,12 +34,11 @@ COVERED = {("single", "ddp"), ("zero1", "zero3"), ("zero3", "ddp")}
 they and the writers other than ddp into single are left out of the matrix here."""
 
 
-@pytest.mark.timeout(300)
-def test_a_checkpoint_from_any_writer_loads_into_any_reader(tmp_path: Path) -> None:
-    """Model and Adam state after 3 steps, loaded under ddp, zero1, zero3 (and single):
-    one more step equals the 4th step of an uninterrupted single run."""
-    paths = {writer: str(tmp_path / writer) for writer in WRITERS}
-    train(steps=3, checkpoint_out=paths["single"], strategy="single", **ADAM)
+def matrix(root: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """The any-writer-any-reader runs at world size 2, with checkpoints under `root`: the
+    writers (model and Adam state after 3 steps), the readers (one more step) and a
+    zero1 load driven by a scheduler built on the user's optimizer before engine.setup."""
+    paths = {writer: str(root / writer) for writer in WRITERS}
     writers = [
         {"steps": 3, "checkpoint_out": paths[w], "strategy": w, **options, **ADAM}
         for w, options in WRITERS.items()
@@ -51,19 +50,50 @@ def test_a_checkpoint_from_any_writer_loads_into_any_reader(tmp_path: Path) -> N
         for w in WRITERS
         if (w, reader) not in COVERED
     ]
-    # A scheduler built on the user's optimizer before engine.setup still drives the
-    # learning rate zero1 trains with after a load.
     scheduled = {"steps": 2, "checkpoint_in": paths["zero1"], "scheduler": True, **ADAM}
-    variants = [*writers, *readers, {**scheduled, "strategy": "zero1"}]
-    results = run_ranks(train_variants, 2, variants, timeout=280)[0]
-    *loaded, zero1_scheduled = results[len(writers) :]
+    return writers, readers, {**scheduled, "strategy": "zero1"}
+
+
+def two_process_runs(tied: list[dict[str, Any]], variants: list[dict[str, Any]]) -> Any:
+    """The tied cases, then `variants` (`train`), in one process group."""
+    found = [save_and_reload(close=False, **case) for case in tied]
+    return found, train_variants(variants)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this file's checkpoints are written (single's matrix checkpoint first)."""
+    made = tmp_path_factory.mktemp("habits")
+    train(steps=3, checkpoint_out=str(made / "single"), strategy="single", **ADAM)
+    return made
+
+
+@pytest.fixture(scope="module")
+def two_processes(root: Path) -> tuple[list[dict | None], list[dict]]:
+    """Both tests' runs at world size 2 in one job: the tied cases' results and the
+    parameters after each of the matrix's runs, on the main rank."""
+    writers, readers, scheduled = matrix(root)
+    _, tied = tied_cases(root)
+    return run_ranks(two_process_runs, 2, tied, [*writers, *readers, scheduled], timeout=280)[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_from_any_writer_loads_into_any_reader(
+    root: Path, two_processes: tuple[list[dict | None], list[dict]]
+) -> None:
+    """Model and Adam state after 3 steps, loaded under ddp, zero1, zero3 (and single):
+    one more step equals the 4th step of an uninterrupted single run."""
+    writers, readers, scheduled = matrix(root)
+    *loaded, zero1_scheduled = two_processes[1][len(writers) :]
     expected = train(steps=4, strategy="single", **ADAM)
-    readers.append({"steps": 1, "checkpoint_in": paths["ddp"], "strategy": "single", **ADAM})
+    readers.append({"steps": 1, "checkpoint_in": str(root / "ddp"), "strategy": "single", **ADAM})
     loaded.append(train(**readers[-1]))
     for reader, params in zip(readers, loaded, strict=True):
         label = f"{Path(reader['checkpoint_in']).name} into {reader['strategy']}"
         assert_close(params, expected, msg=lambda m, label=label: f"{label}: {m}")
-    assert_close(zero1_scheduled, train(strategy="single", **scheduled))
+    # A scheduler built on the user's optimizer before engine.setup still drives the
+    # learning rate zero1 trains with after a load.
+    assert_close(zero1_scheduled, train(**{**scheduled, "strategy": "single"}))
 
 
 class Block(nn.Module):
@@ -208,30 +238,37 @@ def tied_case(tmp_path: Path, kind: str, strategy: str, layout: str, **options: 
     }
 
 
-@pytest.mark.timeout(300)
-def test_tied_weights_are_saved_under_every_name_and_load_back_tied(tmp_path: Path) -> None:
-    """Each strategy saves and loads in each layout at least once (zero2/zero3: the tied
+def tied_cases(root: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The tied-weights cases, one process and two, with checkpoints under `root`. Each
+    strategy saves and loads in each layout at least once (zero2/zero3: the tied
     parameter stays in the root FSDP unit); GPT-2's Conv1D layers have no tensor-parallel
     plan, the nanoGPT's Linear ones do."""
     one_process = [
-        tied_case(tmp_path, "gpt2", "single", "consolidated"),
-        tied_case(tmp_path, "gpt2", "towers", "consolidated", towers=2),
-        tied_case(tmp_path, "nano", "single", "sharded"),
-        tied_case(tmp_path, "nano", "towers", "sharded", towers=2),
+        tied_case(root, "gpt2", "single", "consolidated"),
+        tied_case(root, "gpt2", "towers", "consolidated", towers=2),
+        tied_case(root, "nano", "single", "sharded"),
+        tied_case(root, "nano", "towers", "sharded", towers=2),
     ]
     two_processes = [
-        tied_case(tmp_path, "gpt2", "ddp", "consolidated"),
-        tied_case(tmp_path, "gpt2", "zero1", "sharded"),
-        tied_case(tmp_path, "nano", "ddp", "sharded"),
-        tied_case(tmp_path, "nano", "zero1", "consolidated"),
-        tied_case(tmp_path, "nano", "tensor", "consolidated"),
-        tied_case(tmp_path, "nano", "tensor", "sharded"),
-        tied_case(tmp_path, "gpt2", "zero3", "consolidated"),
-        tied_case(tmp_path, "nano", "zero2", "sharded"),
+        tied_case(root, "gpt2", "ddp", "consolidated"),
+        tied_case(root, "gpt2", "zero1", "sharded"),
+        tied_case(root, "nano", "ddp", "sharded"),
+        tied_case(root, "nano", "zero1", "consolidated"),
+        tied_case(root, "nano", "tensor", "consolidated"),
+        tied_case(root, "nano", "tensor", "sharded"),
+        tied_case(root, "gpt2", "zero3", "consolidated"),
+        tied_case(root, "nano", "zero2", "sharded"),
     ]
-    found = [save_and_reload(**case) for case in one_process]
-    found += run_ranks(save_and_reload_all, 2, two_processes, timeout=280)[0]
-    cases = one_process + two_processes
+    return one_process, two_processes
+
+
+@pytest.mark.timeout(300)
+def test_tied_weights_are_saved_under_every_name_and_load_back_tied(
+    root: Path, two_processes: tuple[list[dict | None], list[dict]]
+) -> None:
+    one_process, two = tied_cases(root)
+    found = [save_and_reload(**case) for case in one_process] + two_processes[0]
+    cases = one_process + two
     single = {
         case["kind"]: r
         for case, r in zip(cases, found, strict=True)
@@ -243,7 +280,7 @@ def test_tied_weights_are_saved_under_every_name_and_load_back_tied(tmp_path: Pa
         assert_close(result["resumed"], result["continued"], msg=lambda m, s=label: f"{s}: {m}")
         expected = single[case["kind"]]["continued"]
         assert_close(result["continued"], expected, msg=lambda m, s=label: f"{s}: {m}")
-        check_files(case["kind"], Path(case["path"]), result["saved"], tmp_path)
+        check_files(case["kind"], Path(case["path"]), result["saved"], root)
 
 
 def test_a_plain_file_of_a_tied_model_converts_both_ways(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import run_cli
+from conftest import run_ckpt
 from distributed import run_ranks
 from test_ps import run_ps
 from torch.testing import assert_close
@@ -32,22 +32,48 @@ GPT_RUN = {"model_name": "gpt"}
 SHARDED = {"checkpoint_format": "sharded"}
 
 
+LOADERS = [
+    # Saved again right after loading, consolidated: the state as loaded, by name.
+    {"steps": 0, "checkpoint_out": "again", "strategy": "ddp"},
+    {"steps": 5, "strategy": "ddp"},
+    {"steps": 5, "strategy": "tensor"},
+    # Each stage reads its own layers, then writes them: a sharded checkpoint of parts.
+    {"steps": 5, "checkpoint_out": "staged", "strategy": "pipeline", **SHARDED},
+]
+"""What loads the zero3 sharded checkpoint at world size 2 (checkpoint_out: a name)."""
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Checkpoints after 5 tiny-GPT AdamW steps at world size 2: zero3 sharded,
-    consolidated and sharded in the background (the same state), and zero1 sharded."""
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], list[dict]]:
+    """One job at world size 2: checkpoints after 5 tiny-GPT AdamW steps (zero3 sharded,
+    consolidated and sharded in the background (the same state), and zero1 sharded), and
+    `LOADERS` loading the zero3 sharded one. Returns every checkpoint's path by name and
+    the main rank's parameters after each of `LOADERS`."""
     root = tmp_path_factory.mktemp("sharded")
-    paths = {name: root / name for name in ("sharded", "consolidated", "zero1", "async")}
-    variants = [
+    names = ("sharded", "consolidated", "zero1", "async", "again", "staged")
+    paths = {name: root / name for name in names}
+    writers = [
         {"checkpoint_out": str(paths["sharded"]), "strategy": "zero3", **SHARDED},
         {"checkpoint_out": str(paths["consolidated"]), "strategy": "zero3"},
         {"checkpoint_out": str(paths["zero1"]), "strategy": "zero1", **SHARDED},
-        # Last: only the last variant closes its Engine, which waits for the save.
-        {"checkpoint_out": str(paths["async"]), "strategy": "zero3", "async_checkpoint": True},
     ]
-    variants[-1].update(SHARDED)
-    run_ranks(train_variants, 2, [{"steps": 5, **GPT_RUN, **v} for v in variants], timeout=240)
-    return paths
+    loaders = [
+        {**v, "checkpoint_in": str(paths["sharded"])}
+        | ({"checkpoint_out": str(paths[v["checkpoint_out"]])} if "checkpoint_out" in v else {})
+        for v in LOADERS
+    ]
+    # Last: only the last run closes its Engine, which waits for the save.
+    background = {"checkpoint_out": str(paths["async"]), "strategy": "zero3", **SHARDED}
+    variants = [*writers, *loaders, {**background, "async_checkpoint": True}]
+    variants = [{"steps": 5, **GPT_RUN, **v} for v in variants]
+    results = run_ranks(train_variants, 2, variants, timeout=280)[0]
+    return paths, results[len(writers) : -1]
+
+
+@pytest.fixture(scope="module")
+def saved(two_ranks: tuple[dict[str, Path], list[dict]]) -> dict[str, Path]:
+    """The checkpoints `two_ranks` wrote, by name."""
+    return two_ranks[0]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +109,7 @@ def test_convert_gives_the_consolidated_save_of_the_same_state(
     saved: dict[str, Path], tmp_path: Path
 ) -> None:
     plain, directory = tmp_path / "model.safetensors", tmp_path / "consolidated"
-    proc = run_cli("ckpt", "convert", str(saved["sharded"]), str(plain), cwd=tmp_path)
+    proc = run_ckpt("convert", str(saved["sharded"]), str(plain))
     assert proc.returncode == 0, proc.stderr
     expected = consolidated_state(saved["consolidated"])
     assert_close(safetensors.torch.load_file(plain), expected[0], rtol=0, atol=0)
@@ -108,26 +134,18 @@ def test_single_loads_the_same_state_and_continues_identically(
 
 @pytest.mark.timeout(300)
 def test_ddp_tensor_and_pipeline_load_a_zero3_sharded_checkpoint(
-    saved: dict[str, Path], uninterrupted: dict[str, torch.Tensor], tmp_path: Path
+    two_ranks: tuple[dict[str, Path], list[dict]],
+    uninterrupted: dict[str, torch.Tensor],
+    tmp_path: Path,
 ) -> None:
-    path = str(saved["sharded"])
-    again, staged, from_stages = (tmp_path / name for name in ("again", "staged", "from-stages"))
-    variants = [
-        {"steps": 0, "checkpoint_in": path, "checkpoint_out": str(again), "strategy": "ddp"},
-        {"steps": 5, "checkpoint_in": path, "strategy": "ddp"},
-        {"steps": 5, "checkpoint_in": path, "strategy": "tensor"},
-        # Each stage reads its own layers, then writes them: a sharded checkpoint of parts.
-        {"steps": 5, "checkpoint_in": path, "checkpoint_out": str(staged), "strategy": "pipeline"}
-        | SHARDED,
-    ]
-    variants = [{**v, **GPT_RUN} for v in variants]
-    _, *continued = run_ranks(train_variants, 2, variants, timeout=280)[0]
-    assert_same_state(consolidated_state(again), consolidated_state(saved["consolidated"]))
-    for variant, params in zip(variants[1:], continued, strict=True):
+    saved, (_, *continued) = two_ranks
+    assert_same_state(consolidated_state(saved["again"]), consolidated_state(saved["consolidated"]))
+    for variant, params in zip(LOADERS[1:], continued, strict=True):
         strategy = variant["strategy"]
         assert_close(params, uninterrupted, msg=lambda m, s=strategy: f"{s}: {m}")
-    assert json.loads((staged / "manifest.json").read_text())["strategy"] == "pipeline"
-    train(steps=0, checkpoint_in=str(staged), checkpoint_out=str(from_stages), **GPT_RUN)
+    assert json.loads((saved["staged"] / "manifest.json").read_text())["strategy"] == "pipeline"
+    from_stages = tmp_path / "from-stages"
+    train(steps=0, checkpoint_in=str(saved["staged"]), checkpoint_out=str(from_stages), **GPT_RUN)
     tensors, optimizer = consolidated_state(from_stages)
     assert_close(tensors, uninterrupted)
     assert set(optimizer["state"]) == set(uninterrupted)
@@ -197,7 +215,6 @@ def test_a_pickled_payload_in_the_index_is_refused_and_never_runs(
     assert not marker.exists()
 
 
-@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_verify_inspect_and_resume_know_both_formats(tmp_path: Path) -> None:
     root = tmp_path / "ckpts"
     for step, options in ((1, {}), (2, SHARDED)):
@@ -208,16 +225,16 @@ def test_verify_inspect_and_resume_know_both_formats(tmp_path: Path) -> None:
         engine.save(root / f"step-{step:08d}")
         engine.close()
     newest = root / "step-00000002"
-    inspect = run_cli("ckpt", "inspect", str(newest), cwd=tmp_path)
+    inspect = run_ckpt("inspect", str(newest))
     assert "sharded" in inspect.stdout and "net.1.weight" in inspect.stdout
-    assert run_cli("ckpt", "verify", str(newest), cwd=tmp_path).returncode == 0
+    assert run_ckpt("verify", str(newest)).returncode == 0
     engine = dtrain.init(strategy="single")
     model = DigitsMLP(hidden=8)
     engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     assert engine.resume(root)["format"] == SHARDED_FORMAT
     piece = newest / "__0_0.distcp"
     piece.write_bytes(piece.read_bytes()[:-4])
-    proc = run_cli("ckpt", "verify", str(newest), cwd=tmp_path)
+    proc = run_ckpt("verify", str(newest))
     assert proc.returncode == 1 and "__0_0.distcp is truncated" in proc.stderr
     assert engine.resume(root)["step"] == 1  # the damaged sharded one is skipped
     engine.close()

@@ -12,6 +12,7 @@ import safetensors.torch
 from conftest import run_cli
 from distributed import free_port
 from torch.testing import assert_close
+from training import train
 
 from dtrain.models import build
 
@@ -168,8 +169,8 @@ def test_a_failing_rank_is_named_with_its_own_traceback(tmp_path: Path) -> None:
 
 
 def test_ckpt_inspect_describes_a_checkpoint(tmp_path: Path) -> None:
-    demo(tmp_path, "--model", "mlp", "--epochs", "1")
-    ckpt = tmp_path / "run" / "checkpoints" / "step-00000022"
+    ckpt = tmp_path / "step-00000022"
+    train(steps=22, checkpoint_out=str(ckpt), strategy="single")  # the digits MLP and SGD
     proc = run_cli("ckpt", "inspect", str(ckpt), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     for text in ("single", "step", "22", "SGD", "net.1.weight"):

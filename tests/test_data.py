@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -82,7 +83,8 @@ def test_a_stream_is_loaded_in_its_own_order_and_not_shuffled() -> None:
 
 
 def unsharded_warning() -> str:
-    """What rank 0 prints when two ddp workers iterate one plain DataLoader."""
+    """What rank 0 prints when the ddp workers iterate one plain DataLoader (the process
+    group stays for the next check)."""
     engine = dtrain.init(strategy="ddp")
     engine.setup(torch.nn.Linear(2, 2), None)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)))
@@ -90,18 +92,12 @@ def unsharded_warning() -> str:
     with contextlib.redirect_stdout(printed):
         for _ in engine.progress(loader):
             break
-    engine.close()
+    engine.strategy.close()
     return printed.getvalue()
 
 
-@pytest.mark.timeout(60)
-def test_a_plain_loader_under_ddp_is_warned_about() -> None:
-    said = run_ranks(unsharded_warning, 2)[0]
-    assert "this loader is not sharded, so each of the 2 data-parallel workers" in said
-
-
 def global_batch_shares() -> tuple[int, str]:
-    """At world 3: the per-worker batch of a global 12, and the refusal of a global 64."""
+    """The per-worker batch of a global 12, and the refusal of a global 64."""
     engine = dtrain.init(strategy="ddp")
     data = torch.utils.data.TensorDataset(torch.zeros(30, 2))
     per_worker = engine.dataloader(data, global_batch_size=12).batch_sampler.batch_size
@@ -111,8 +107,25 @@ def global_batch_shares() -> tuple[int, str]:
     return per_worker, str(refused.value)
 
 
+def three_workers() -> dict[str, Any]:
+    """Both checks above, one after the other, in one job of three ddp workers."""
+    return {"warning": unsharded_warning(), "shares": global_batch_shares()}
+
+
+@pytest.fixture(scope="module")
+def at_three() -> dict[str, Any]:
+    """`three_workers()` on the main rank."""
+    return run_ranks(three_workers, 3)[0]
+
+
 @pytest.mark.timeout(60)
-def test_the_global_batch_can_be_given_and_must_divide() -> None:
-    per_worker, refused = run_ranks(global_batch_shares, 3)[0]
+def test_a_plain_loader_under_ddp_is_warned_about(at_three: dict[str, Any]) -> None:
+    said = at_three["warning"]
+    assert "this loader is not sharded, so each of the 3 data-parallel workers" in said
+
+
+@pytest.mark.timeout(60)
+def test_the_global_batch_can_be_given_and_must_divide(at_three: dict[str, Any]) -> None:
+    per_worker, refused = at_three["shares"]
     assert per_worker == 4
     assert "A global batch of 64 does not split evenly over 3 data-parallel workers" in refused

@@ -5,11 +5,12 @@ it trains a wrong model."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from distributed import run_ranks
-from habits import HABITS, run_habit, run_habits, run_ps_habits
+from habits import HABITS, run_habit, run_habits, run_ps_habits, run_strategies
 from torch.testing import assert_close
 from training import CLOSE
 
@@ -60,14 +61,41 @@ def _check(strategy: str, results: dict[str, Any], reference: dict[str, Any]) ->
         assert_close(params, expected, **close, msg=lambda m, n=name: f"{strategy}/{n}: {m}")
 
 
+def habits_of(strategy: str) -> list[str]:
+    """The habits `strategy` runs at two processes."""
+    return [*EVERY, "compiled"] if strategy in ("zero3", "tensor") else EVERY
+
+
+JOBS_OF_TWO = [("ddp", "zero1", "zero2"), ("zero3", "pipeline", "tensor")]
+"""The strategies run at two processes, by job: a job runs its strategies one after the
+other (a spawn per strategy costs seconds of process start; two jobs keep each within its
+first test's timeout)."""
+
+
+@pytest.fixture(scope="module")
+def two_processes() -> Callable[[str], dict[str, Any]]:
+    """The results of one strategy's habits at two processes, from its job (run once, when
+    the first of its strategies' tests asks)."""
+    done: dict[tuple[str, ...], dict[str, dict[str, Any]]] = {}
+
+    def results(strategy: str) -> dict[str, Any]:
+        job = next(job for job in JOBS_OF_TWO if strategy in job)
+        if job not in done:
+            plan = {s: habits_of(s) for s in job}
+            done[job] = run_ranks(run_strategies, 2, plan, timeout=280)[0]
+        return done[job][strategy]
+
+    return results
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "strategy", ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor"]
-)
-def test_every_habit_under_two_processes(strategy: str, reference: dict[str, Any]) -> None:
-    names = [*EVERY, "compiled"] if strategy in ("zero3", "tensor") else EVERY
-    results = run_ranks(run_habits, 2, strategy, names, timeout=280)[0]
-    _check(strategy, results, reference)
+@pytest.mark.parametrize("strategy", [s for job in JOBS_OF_TWO for s in job])
+def test_every_habit_under_two_processes(
+    strategy: str,
+    reference: dict[str, Any],
+    two_processes: Callable[[str], dict[str, Any]],
+) -> None:
+    _check(strategy, two_processes(strategy), reference)
 
 
 @pytest.mark.timeout(300)
@@ -89,12 +117,22 @@ def test_every_habit_under_towers(reference: dict[str, Any]) -> None:
     _check("towers", results, reference)
 
 
+AT_THREE = ["tied", "sometimes_unused", "batchnorm", "rank_seed", "accumulate_no_sync"]
+
+
+@pytest.fixture(scope="module")
+def three_processes() -> dict[str, dict[str, Any]]:
+    """The results of `AT_THREE` under ddp and zero3, in one job of three processes."""
+    plan = {strategy: AT_THREE for strategy in ("ddp", "zero3")}
+    return run_ranks(run_strategies, 3, plan, timeout=280)[0]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_some_habits_under_three_processes(strategy: str, reference: dict[str, Any]) -> None:
-    names = ["tied", "sometimes_unused", "batchnorm", "rank_seed", "accumulate_no_sync"]
-    results = run_ranks(run_habits, 3, strategy, names, timeout=280)[0]
-    _check(strategy, results, reference)
+def test_some_habits_under_three_processes(
+    strategy: str, reference: dict[str, Any], three_processes: dict[str, dict[str, Any]]
+) -> None:
+    _check(strategy, three_processes[strategy], reference)
 
 
 @pytest.mark.timeout(300)

@@ -4,7 +4,7 @@ int16 tensors in every collective, gradients through reduce-scatter and grouped
 all-gather, the zero gradients `broadcast_optimizer_state` leaves on a fresh
 optimizer's parameters, and the optimizer's surface Horovod's tests read (a process set
 the process is not in, `_parameter_names`, the warning text, object gathers named after
-the type). Two gloo ranks, in two spawns."""
+the type). Two gloo ranks, in one spawn: the operations, then the init-shutdown cycles."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def _init_shutdown_cycles() -> int:
 
 
 @pytest.mark.timeout(120)
-def test_init_and_shutdown_many_times_in_one_process() -> None:
-    assert run_ranks(_init_shutdown_cycles, 2, timeout=100) == [CYCLES, CYCLES]
+def test_init_and_shutdown_many_times_in_one_process(two_ranks: list[tuple[bool, int]]) -> None:
+    assert [cycles for _, cycles in two_ranks] == [CYCLES, CYCLES]
 
 
 def _check_int16(r: int) -> None:
@@ -246,6 +246,18 @@ def _ops_and_gradients() -> bool:
     return True
 
 
+def _both() -> tuple[bool, int]:
+    """`_ops_and_gradients`, then `_init_shutdown_cycles` (each cycle starts afresh after
+    a shutdown, the first after the operations' own)."""
+    return _ops_and_gradients(), _init_shutdown_cycles()
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[tuple[bool, int]]:
+    """`_both()` by rank."""
+    return run_ranks(_both, 2, timeout=100)
+
+
 @pytest.mark.timeout(120)
-def test_int16_gradients_and_fresh_optimizer_state() -> None:
-    assert run_ranks(_ops_and_gradients, 2, timeout=100) == [True, True]
+def test_int16_gradients_and_fresh_optimizer_state(two_ranks: list[tuple[bool, int]]) -> None:
+    assert [ops for ops, _ in two_ranks] == [True, True]

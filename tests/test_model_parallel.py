@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -12,18 +13,18 @@ import torch
 from conftest import run_cli
 from distributed import run_ranks
 from torch.testing import assert_close
-from training import train, train_variants
+from training import finish, train, train_variants
 
 import dtrain
 from dtrain.models.gpt import GPT, SIZES, lm_loss
 
-STEPS = 5
+STEPS = 3
 GPT_RUN = {"model_name": "gpt", "steps": STEPS}
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    """Single-process parameters of the tiny GPT after 5 AdamW steps."""
+    """Single-process parameters of the tiny GPT after `STEPS` AdamW steps."""
     return train(strategy="single", **GPT_RUN)
 
 
@@ -33,19 +34,20 @@ def check_all(results: list[dict], variants: list[dict], expected: dict) -> None
         assert_close(params, expected, msg=lambda m, label=label: f"{label}: {m}")
 
 
-@pytest.mark.timeout(240)
-def test_two_ranks_pipeline_schedules_and_tensor_match_single(reference: dict) -> None:
-    variants = [
+TWO_RANKS = [
+    *(
         {"strategy": "pipeline", "schedule": schedule, "microbatches": 4, **GPT_RUN}
         for schedule in ("gpipe", "1f1b", "interleaved")
-    ]
-    variants.append({"strategy": "pipeline", "schedule": "gpipe", "microbatches": 1, **GPT_RUN})
-    variants.append({"strategy": "tensor", **GPT_RUN})
-    check_all(run_ranks(train_variants, 2, variants, timeout=220)[0], variants, reference)
+    ),
+    {"strategy": "pipeline", "schedule": "gpipe", "microbatches": 1, **GPT_RUN},
+    {"strategy": "tensor", **GPT_RUN},
+]
+"""The pipeline schedules and tensor parallelism at two ranks."""
 
 
-def first_losses(strategy: str) -> list[float]:
-    """The losses train_step reports for the first 3 steps of the tiny GPT."""
+def first_losses(strategy: str, close: bool = True) -> list[float]:
+    """The losses train_step reports for the first 3 steps of the tiny GPT (`close=False`
+    keeps the process group for another run)."""
     from dtrain.datasets import load_text
 
     engine = dtrain.init(seed=0, strategy=strategy)
@@ -58,23 +60,14 @@ def first_losses(strategy: str) -> list[float]:
         if len(losses) == 3:
             break
     del model, optimizer
-    engine.close()
+    finish(engine, close)
     return losses
-
-
-@pytest.mark.timeout(120)
-def test_the_pipeline_reports_the_losses_single_computes() -> None:
-    """torch calls the loss function once more at the first step, on uninitialised
-    outputs, while it learns the shapes: that call must not reach the reported loss."""
-    pipelined = run_ranks(first_losses, 2, "pipeline", timeout=100)
-    expected = first_losses("single")
-    for losses in pipelined:
-        assert_close(losses, expected, rtol=1e-5, atol=1e-6)
 
 
 def non_finite_and_reshaped_batches() -> list[str]:
     """Under a 2-stage pipeline: a NaN loss stops every rank with the gradients cleared,
-    and a batch of another shape than the first is refused. Returns the messages."""
+    and a batch of another shape than the first is refused. Returns the messages; the
+    process group stays for the next run."""
     engine = dtrain.init(strategy="pipeline", schedule="gpipe", microbatches=2, log_every=1)
     model = GPT(SIZES["tiny"])
     engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -88,33 +81,72 @@ def non_finite_and_reshaped_batches() -> list[str]:
     with pytest.raises(dtrain.SetupError) as shape:
         engine.train_step((batch[0][:2], batch[1][:2]), lm_loss)
     messages.append(str(shape.value))
-    engine.close()
+    del model
+    finish(engine, close=False)
     return messages
-
-
-@pytest.mark.timeout(120)
-def test_pipeline_stops_on_a_non_finite_loss_and_a_reshaped_batch() -> None:
-    for messages in run_ranks(non_finite_and_reshaped_batches, 2):
-        assert "nan" in messages[0]
-        assert "fixed at its first step by a batch of shape [4, 8]; got [2, 8]" in messages[1]
 
 
 def uneven_evaluation() -> float:
     """zero3 at world 2 evaluating 5 samples, 2 per rank and batch: rank 1 has no share of
-    the last batch, yet rank 0's sharded forward needs it."""
+    the last batch, yet rank 0's sharded forward needs it. The process group stays for
+    the next run."""
     engine = dtrain.init(strategy="zero3")
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
     engine.setup(model, None)
     data = torch.utils.data.TensorDataset(torch.randn(5, 4), torch.randint(0, 3, (5,)))
     loader = engine.dataloader(data, batch_size=2, shuffle=False, drop_last=False)
     result = engine.evaluate(loader, torch.nn.functional.cross_entropy)
-    engine.close()
+    del model
+    finish(engine, close=False)
     return result["samples"]
 
 
-@pytest.mark.timeout(120)
-def test_sharded_evaluation_with_a_short_last_batch_does_not_hang() -> None:
-    assert run_ranks(uneven_evaluation, 2, timeout=100) == [5, 5]
+def two_rank_runs() -> dict[str, Any]:
+    """Every two-rank check of this file, one after the other in one job."""
+    return {
+        "uneven": uneven_evaluation(),
+        "messages": non_finite_and_reshaped_batches(),
+        "losses": first_losses("pipeline", close=False),
+        "params": train_variants(TWO_RANKS),  # the last run closes the process group
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """`two_rank_runs()` by rank."""
+    return run_ranks(two_rank_runs, 2, timeout=220)
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_pipeline_schedules_and_tensor_match_single(
+    reference: dict, two_ranks: list[dict[str, Any]]
+) -> None:
+    check_all(two_ranks[0]["params"], TWO_RANKS, reference)
+
+
+@pytest.mark.timeout(240)
+def test_the_pipeline_reports_the_losses_single_computes(two_ranks: list[dict[str, Any]]) -> None:
+    """torch calls the loss function once more at the first step, on uninitialised
+    outputs, while it learns the shapes: that call must not reach the reported loss."""
+    expected = first_losses("single")
+    for result in two_ranks:
+        assert_close(result["losses"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_stops_on_a_non_finite_loss_and_a_reshaped_batch(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for messages in (result["messages"] for result in two_ranks):
+        assert "nan" in messages[0]
+        assert "fixed at its first step by a batch of shape [4, 8]; got [2, 8]" in messages[1]
+
+
+@pytest.mark.timeout(240)
+def test_sharded_evaluation_with_a_short_last_batch_does_not_hang(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    assert [result["uneven"] for result in two_ranks] == [5, 5]
 
 
 @pytest.mark.timeout(240)
@@ -126,31 +158,49 @@ def test_three_stages_match_single(reference: dict) -> None:
     check_all(run_ranks(train_variants, 3, variants, timeout=220)[0], variants, reference)
 
 
-@pytest.mark.timeout(300)
-def test_hybrid_meshes_at_world_four_match_single(reference: dict) -> None:
+HYBRID = [
     # 12 samples per step: 6 per replica at dp 2, cut into 3 micro-batches.
-    variants = [
-        {"strategy": "hybrid", "pp": 2, "microbatches": 3, **GPT_RUN},
-        {"strategy": "hybrid", "tp": 2, **GPT_RUN},
-        {"strategy": "hybrid", "pp": 2, "tp": 2, "schedule": "gpipe", "microbatches": 4, **GPT_RUN},
-        {"strategy": "hybrid", "pp": 2, "microbatches": 3, "dp_mode": "zero3", **GPT_RUN},
-        {"strategy": "hybrid", "tp": 2, "dp_mode": "zero2", **GPT_RUN},
-    ]
-    check_all(run_ranks(train_variants, 4, variants, timeout=280)[0], variants, reference)
+    {"strategy": "hybrid", "pp": 2, "microbatches": 3, **GPT_RUN},
+    {"strategy": "hybrid", "tp": 2, **GPT_RUN},
+    {"strategy": "hybrid", "pp": 2, "tp": 2, "schedule": "gpipe", "microbatches": 4, **GPT_RUN},
+    {"strategy": "hybrid", "pp": 2, "microbatches": 3, "dp_mode": "zero3", **GPT_RUN},
+    {"strategy": "hybrid", "tp": 2, "dp_mode": "zero2", **GPT_RUN},
+]
+"""The hybrid meshes at four ranks."""
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path, Path]:
+    """One job of four ranks: the parameters of each of `HYBRID`, then pp2 x tp2 resuming
+    single's checkpoint after `STEPS` steps (model and AdamW state) and saving `STEPS`
+    steps later (canonical names). Returns the parameters and both checkpoints."""
+    root = tmp_path_factory.mktemp("hybrid")
+    start, middle = root / "single-start", root / "hybrid-middle"
+    train(strategy="single", checkpoint_out=str(start), **GPT_RUN)
+    resume = {"strategy": "hybrid", "pp": 2, "tp": 2, "checkpoint_in": str(start)}
+    variants = [*HYBRID, {**resume, "checkpoint_out": str(middle), **GPT_RUN}]
+    params = run_ranks(train_variants, 4, variants, timeout=280)[0]
+    return params[: len(HYBRID)], start, middle
 
 
 @pytest.mark.timeout(300)
-def test_checkpoints_move_between_single_and_pipeline_x_tensor(tmp_path: Path) -> None:
-    start, middle = str(tmp_path / "single-5"), str(tmp_path / "hybrid-10")
-    train(strategy="single", checkpoint_out=start, **GPT_RUN)
-    expected = train(strategy="single", checkpoint_in=start, model_name="gpt", steps=2 * STEPS)
-    # pp2 x tp2 resumes single's model and AdamW state, then writes canonical names...
-    hybrid = {"strategy": "hybrid", "pp": 2, "tp": 2, "checkpoint_in": start}
-    run_ranks(train_variants, 4, [{**hybrid, "checkpoint_out": middle, **GPT_RUN}], timeout=280)
+def test_hybrid_meshes_at_world_four_match_single(
+    reference: dict, four_ranks: tuple[list[dict], Path, Path]
+) -> None:
+    check_all(four_ranks[0], HYBRID, reference)
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_move_between_single_and_pipeline_x_tensor(
+    four_ranks: tuple[list[dict], Path, Path],
+) -> None:
+    _, start, middle = four_ranks
+    expected = train(strategy="single", checkpoint_in=str(start), model_name="gpt", steps=2 * STEPS)
+    # pp2 x tp2 wrote canonical names, which a plain GPT loads...
     plain = GPT(SIZES["tiny"])
-    plain.load_state_dict(safetensors.torch.load_file(Path(middle) / "model.safetensors"))
-    # ...which single resumes in turn, landing where an uninterrupted single run does.
-    resumed = train(strategy="single", checkpoint_in=middle, **GPT_RUN)
+    plain.load_state_dict(safetensors.torch.load_file(middle / "model.safetensors"))
+    # ...and single resumes in turn, landing where an uninterrupted single run does.
+    resumed = train(strategy="single", checkpoint_in=str(middle), **GPT_RUN)
     assert_close(resumed, expected)
 
 

@@ -99,14 +99,34 @@ def single() -> dict[str, torch.Tensor]:
     return train(steps=STEPS, strategy="single")
 
 
+TWO_BY_TWO = {
+    "hierarchical": {},
+    "flat": {"hierarchical": False},
+    # Local SGD syncing after every step of SGD trains ddp's model.
+    "local-sgd": {"strategy": "local-sgd", "sync_every": 1, "hierarchical": False},
+    "hsdp": {"strategy": "hsdp", "shard_size": 2, "hierarchical": False},
+}
+"""The layouts run on two hosts of two processes, in one job, by name: ddp as the flags
+start it (--hierarchical), and the variants' options over them."""
+
+
+@pytest.fixture(scope="module")
+def two_by_two(
+    hosts: cluster.Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The parameters of each of `TWO_BY_TWO`, by name."""
+    flags = ("--strategy", "ddp", "--nproc", "2", "--hierarchical")
+    tmp_path = tmp_path_factory.mktemp("two-by-two")
+    found = run_nodes(hosts, tmp_path, *flags, variants=tuple(TWO_BY_TWO.values()))
+    return dict(zip(TWO_BY_TWO, found, strict=True))
+
+
 def test_ddp_on_two_hosts_equals_one_process(
-    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+    two_by_two: dict[str, dict[str, torch.Tensor]], single: dict[str, torch.Tensor]
 ) -> None:
-    """ddp, and local SGD syncing after every step of SGD (which trains ddp's model)."""
-    local = {"strategy": "local-sgd", "sync_every": 1}
-    ddp, local_sgd = run_nodes(hosts, tmp_path, "--strategy", "ddp", variants=({}, local))
-    assert_close(ddp, single)
-    assert_close(local_sgd, single)
+    """ddp over both hosts' processes alike, and local SGD syncing after every step."""
+    assert_close(two_by_two["flat"], single)
+    assert_close(two_by_two["local-sgd"], single)
 
 
 def test_diloco_trains_the_digits_across_two_hosts(hosts: cluster.Cluster, tmp_path: Path) -> None:
@@ -151,15 +171,12 @@ def test_elastic_nodes_meet_at_the_master_and_train_as_one_process(
 
 
 def test_hierarchical_ddp_and_hsdp_on_two_hosts_of_two_equal_one_process(
-    hosts: cluster.Cluster, single: dict[str, torch.Tensor], tmp_path: Path
+    two_by_two: dict[str, dict[str, torch.Tensor]], single: dict[str, torch.Tensor]
 ) -> None:
     """--hierarchical averages inside each host, then across; hsdp shards inside each
     host (--shard-size 2) and replicates across."""
-    hsdp = {"strategy": "hsdp", "shard_size": 2, "hierarchical": False}
-    flags = ("--strategy", "ddp", "--nproc", "2", "--hierarchical")
-    hierarchical, sharded = run_nodes(hosts, tmp_path, *flags, variants=({}, hsdp))
-    assert_close(hierarchical, single)
-    assert_close(sharded, single)
+    assert_close(two_by_two["hierarchical"], single)
+    assert_close(two_by_two["hsdp"], single)
 
 
 def test_an_unreachable_rendezvous_is_named_within_the_timeout(

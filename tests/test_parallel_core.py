@@ -10,15 +10,16 @@ import pytest
 import torch
 from distributed import run_ranks
 from torch.distributed.fsdp import FSDPModule
+from training import finish
 
 import dtrain
 from dtrain.models.gpt import GPT, SIZES, lm_loss
 
 
-def applied_options(options: dict[str, Any]) -> dict[str, Any]:
+def applied_options(options: dict[str, Any], close: bool = True) -> dict[str, Any]:
     """What FSDP2 holds for the tiny GPT set up under `options`: the parameter dtype of
     every sharded module, how many blocks prefetch the next one, and whether forward
-    frees the gathered parameters."""
+    frees the gathered parameters (`close=False` keeps the process group)."""
     engine = dtrain.init(seed=0, precision="bf16-mixed", log_every=1, **options)
     model = GPT(SIZES["tiny"])
     engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -35,18 +36,30 @@ def applied_options(options: dict[str, Any]) -> dict[str, Any]:
         "fsdp_casts": engine.strategy.placement.handles_precision,
         "loss": (loss.dtype, loss.item()),
     }
-    engine.close()
+    del model, sharded, states, groups
+    finish(engine, close)
     return result
+
+
+RUNS = {
+    "zero2": {"strategy": "zero2"},
+    "zero3": {"strategy": "zero3"},
+    "hybrid zero3": {"strategy": "hybrid", "dp_mode": "zero3"},
+}
+
+
+def applied_by_run() -> dict[str, dict[str, Any]]:
+    """`applied_options` of each of `RUNS`, one after the other in this process group."""
+    last = len(RUNS) - 1
+    return {
+        name: applied_options(options, close=i == last)
+        for i, (name, options) in enumerate(RUNS.items())
+    }
 
 
 @pytest.mark.timeout(120)
 def test_zero2_zero3_and_hybrid_zero3_apply_the_same_fsdp_options() -> None:
-    runs = {
-        "zero2": {"strategy": "zero2"},
-        "zero3": {"strategy": "zero3"},
-        "hybrid zero3": {"strategy": "hybrid", "dp_mode": "zero3"},
-    }
-    found = {name: run_ranks(applied_options, 2, options)[0] for name, options in runs.items()}
+    found = run_ranks(applied_by_run, 2)[0]
     blocks = SIZES["tiny"].layers
     for name, result in found.items():
         assert result["sharded"] == blocks + 1, name  # each block, then the root

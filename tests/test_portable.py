@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import run_cli
+from conftest import run_ckpt, run_cli
 from torch.testing import assert_close
 from training import train
 
@@ -54,16 +54,15 @@ def test_plain_pytorch_files_load_whatever_wrote_them(
     assert_close(model.state_dict(), weights)
 
 
-@pytest.mark.timeout(300)  # starts processes: not in the quick loop
 def test_convert_both_ways_and_inspect(tmp_path: Path, weights: dict) -> None:
     src = tmp_path / "ddp.pt"
     torch.save({"epoch": 2, "state_dict": {f"module.{k}": v for k, v in weights.items()}}, src)
     ckpt, back = tmp_path / "ckpt", tmp_path / "back.pt"
-    assert run_cli("ckpt", "convert", str(src), str(ckpt), cwd=tmp_path).returncode == 0
-    assert run_cli("ckpt", "verify", str(ckpt), cwd=tmp_path).returncode == 0
-    inspect = run_cli("ckpt", "inspect", str(ckpt), cwd=tmp_path)
+    assert run_ckpt("convert", str(src), str(ckpt)).returncode == 0
+    assert run_ckpt("verify", str(ckpt)).returncode == 0
+    inspect = run_ckpt("inspect", str(ckpt))
     assert "imported" in inspect.stdout and "net.1.weight" in inspect.stdout
-    assert run_cli("ckpt", "convert", str(ckpt), str(back), cwd=tmp_path).returncode == 0
+    assert run_ckpt("convert", str(ckpt), str(back)).returncode == 0
     model = DigitsMLP(hidden=8)
     model.load_state_dict(torch.load(back, weights_only=True))
     assert_close(model.state_dict(), weights)
@@ -89,7 +88,7 @@ def test_a_pickled_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
     engine, _ = fresh_engine()
     with pytest.raises(CheckpointError, match="will not unpickle"):
         engine.load(file)
-    proc = run_cli("ckpt", "convert", str(file), str(tmp_path / "out"), cwd=tmp_path)
+    proc = run_ckpt("convert", str(file), str(tmp_path / "out"))
     assert proc.returncode == 1 and "will not unpickle" in proc.stderr
     assert not marker.exists()
 

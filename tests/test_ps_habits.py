@@ -9,25 +9,20 @@ servers serving one run after another."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from test_ps import SERVER, ps_config
+from test_ps import SERVER, ps_runs
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 
 import dtrain
-from dtrain.strategies.ps import serving
 from dtrain.strategies.ps.client import CHANGED_GRADIENT
-from dtrain.strategies.specs import lookup
-from dtrain.topology import init_process_group
 
 STEPS = 5
 BATCH = 8  # global; the first half goes to worker 0, the second to worker 1
@@ -160,21 +155,6 @@ def train(name: str, close: bool = True, **options: Any) -> dict[str, torch.Tens
     return outcome
 
 
-def ps_job(names: list[str], workers: int, servers: int) -> Any:
-    """One rank of a ps job training each habit of `names` in turn: a worker returns its
-    outcome per run, a server serves every run and returns SERVER."""
-    options = {"nproc": workers, "servers": servers}
-    config = ps_config(options)
-    if lookup("ps").role_main(config, int(os.environ["RANK"])) is None:
-        last = len(names) - 1
-        return [train(name, i == last, strategy="ps", **options) for i, name in enumerate(names)]
-    init_process_group(serving.topology(config, server=True), config.timeout_s)
-    for _ in names:
-        serving.serve_job(config)
-    dist.destroy_process_group()
-    return SERVER
-
-
 def test_the_habits_leave_parameters_without_gradients_alone() -> None:
     """Under `single` (the reference) the habits really do skip parameters, so the sync
     ps runs compared with it check that the servers skip them too."""
@@ -197,7 +177,7 @@ def test_the_habits_leave_parameters_without_gradients_alone() -> None:
 @pytest.mark.timeout(150)
 def test_sync_ps_trains_as_single_whatever_the_script_does() -> None:
     names = list(HABITS)
-    results = run_ranks(ps_job, 4, names, 2, 2, timeout=140)
+    results = run_ranks(ps_runs, 4, train, [{"name": n} for n in names], 2, 2, timeout=140)
     assert results[2:] == [SERVER, SERVER]
     for name, outcome in zip(names, results[0], strict=True):
         if name == "torch-clip":
@@ -213,6 +193,6 @@ def test_sync_ps_trains_as_single_whatever_the_script_does() -> None:
 def test_torch_clip_by_hand_is_applied_with_one_worker() -> None:
     """The gradients go to the server at optimizer.step(), after the script's own
     clipping (one worker's gradient is the whole batch's)."""
-    results = run_ranks(ps_job, 2, ["torch-clip"], 1, 1, timeout=80)
+    results = run_ranks(ps_runs, 2, train, [{"name": "torch-clip"}], 1, 1, timeout=80)
     assert results[1] == SERVER
     assert_close(results[0][0], train("torch-clip", strategy="single"))

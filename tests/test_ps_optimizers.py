@@ -7,25 +7,21 @@ optimizers one after the other, the servers serving one run after another."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from test_ps import SERVER, ps_config
+from test_ps import SERVER, ps_config, ps_runs
 from torch.testing import assert_close
 from training import GLOBAL_BATCH
 
 import dtrain
 from dtrain.datasets import load_digits
 from dtrain.models.digits import DigitsMLP
-from dtrain.strategies.ps import serving
 from dtrain.strategies.specs import lookup
-from dtrain.topology import init_process_group
 
 STEPS = 5
 
@@ -71,63 +67,63 @@ def train_with(name: str, close: bool = True, **options: Any) -> dict[str, torch
     return params
 
 
-def ps_runs(
-    names: list[str], workers: int, servers: int, extra: dict[str, Any] | None = None
-) -> Any:
-    """One rank of a ps job (`extra`: more options) training with each optimizer of `names`
-    in turn: a worker returns its parameters per run, a server serves every run and
-    returns SERVER."""
-    options = {"nproc": workers, "servers": servers, **(extra or {})}
-    config = ps_config(options)
-    if lookup("ps").role_main(config, int(os.environ["RANK"])) is None:
-        last = len(names) - 1
-        return [
-            train_with(name, close=i == last, strategy="ps", **options)
-            for i, name in enumerate(names)
-        ]
-    init_process_group(serving.topology(config, server=True), config.timeout_s)
-    for _ in names:
-        serving.serve_job(config)
-    dist.destroy_process_group()
-    return SERVER
+def on_workers(runs: list[tuple[str, dict[str, Any]]], workers: int, servers: int) -> list:
+    """Each (optimizer name, more options) of `runs` in turn in one ps job of `workers` +
+    `servers` ranks; check the servers ended; worker 0's parameters per run."""
+    options = [{"name": name, **extra} for name, extra in runs]
+    results = run_ranks(ps_runs, workers + servers, train_with, options, workers, servers,
+                        timeout=200)  # fmt: skip
+    assert results[workers:] == [SERVER] * servers
+    return results[0]
+
+
+CLIP = {"clip_grad_norm": 0.05}
+TWO_SERVERS = [("adamw-groups", {}), ("adam", {}), ("sgd-nesterov", CLIP)]
+"""The runs of 2 workers over 2 servers, in one job."""
+
+
+@pytest.fixture(scope="module")
+def over_two_servers() -> list:
+    """Worker 0's parameters after each of `TWO_SERVERS`."""
+    return on_workers(TWO_SERVERS, 2, 2)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    ("workers", "servers", "names"),
-    [
-        (2, 1, ["sgd-nesterov", "adam", "adamw", "rmsprop", "adagrad", "adamax"]),
-        (2, 2, ["adamw-groups", "adam"]),
-    ],
-)
-def test_sync_ps_matches_single_with_each_optimizer(
-    workers: int, servers: int, names: list[str]
-) -> None:
-    results = run_ranks(ps_runs, workers + servers, names, workers, servers, timeout=200)
-    assert results[workers:] == [SERVER] * servers
-    for name, params in zip(names, results[0], strict=True):
+def test_sync_ps_matches_single_with_each_optimizer() -> None:
+    names = ["sgd-nesterov", "adam", "adamw", "rmsprop", "adagrad", "adamax"]
+    for name, params in zip(names, on_workers([(n, {}) for n in names], 2, 1), strict=True):
         expected = train_with(name, strategy="single")
         assert_close(params, expected, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    ("workers", "servers", "extra"),
-    [(2, 2, {}), (1, 1, {"ps_mode": "ssp", "staleness": 0})],
-    ids=["sync-2-servers", "ssp-1-worker"],
-)
-def test_ps_clips_as_single_clips(workers: int, servers: int, extra: dict[str, Any]) -> None:
-    """Sync: the servers clip the round's mean by its global norm, summed over the servers'
-    shards. ssp with one worker and staleness 0 applies that worker's gradient before its
-    next step: the worker's own norm sets the factor the servers scale it by."""
-    clip = {"clip_grad_norm": 0.05}
-    results = run_ranks(ps_runs, workers + servers, ["sgd-nesterov"], workers, servers,
-                        {**extra, **clip}, timeout=200)  # fmt: skip
-    assert results[workers:] == [SERVER] * servers
-    expected = train_with("sgd-nesterov", strategy="single", **clip)
+def test_param_groups_over_two_servers_match_single(over_two_servers: list) -> None:
+    for (name, _), params in zip(TWO_SERVERS[:2], over_two_servers[:2], strict=True):
+        expected = train_with(name, strategy="single")
+        assert_close(params, expected, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def clipped_reference() -> dict[str, torch.Tensor]:
+    """`single` clipping every step (checked to differ from not clipping)."""
+    expected = train_with("sgd-nesterov", strategy="single", **CLIP)
     unclipped = train_with("sgd-nesterov", strategy="single")
     assert any(not torch.allclose(expected[k], unclipped[k]) for k in expected), "never clipped"
-    assert_close(results[0][0], expected)
+    return expected
+
+
+@pytest.mark.timeout(240)
+def test_sync_ps_clips_as_single_clips(over_two_servers: list) -> None:
+    """The servers clip the round's mean by its global norm, summed over the servers'
+    shards."""
+    assert_close(over_two_servers[2], clipped_reference())
+
+
+@pytest.mark.timeout(240)
+def test_ssp_with_one_worker_clips_as_single_clips() -> None:
+    """ssp with one worker and staleness 0 applies that worker's gradient before its next
+    step: the worker's own norm sets the factor the servers scale it by."""
+    ssp = {"ps_mode": "ssp", "staleness": 0, **CLIP}
+    assert_close(on_workers([("sgd-nesterov", ssp)], 1, 1)[0], clipped_reference())
 
 
 def test_ps_refuses_clipping_with_backup_workers() -> None:

@@ -54,11 +54,14 @@ def first_shuffle_seed(seed: int) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-def one_rank(own_seed: int | None, apart: bool = False, seed: int | None = None) -> dict:
+def one_rank(
+    own_seed: int | None, apart: bool = False, seed: int | None = None, close: bool = False
+) -> dict:
     """Seed this rank's generators with `own_seed` (plus the rank when `apart`), start a
     ddp Engine (with `seed` if given), and return what the generators draw next, the run's
     seed, the shuffle seed of a loader made then (after torch is seeded again as before
-    init: without `seed` the loader draws from it) and what the ``dtrain`` logger said."""
+    init: without `seed` the loader draws from it) and what the ``dtrain`` logger said.
+    Without `close`, only the strategy is closed: the process group stays for the next."""
     mine = None
     if own_seed is not None:
         mine = own_seed + int(os.environ["RANK"]) if apart else own_seed
@@ -78,24 +81,28 @@ def one_rank(own_seed: int | None, apart: bool = False, seed: int | None = None)
         torch.manual_seed(mine)
     data = torch.utils.data.TensorDataset(torch.zeros(8, 1))
     result["shuffle"] = engine.dataloader(data, batch_size=2).batch_sampler.seed
-    engine.close()
+    if close:
+        engine.close()
+    else:
+        engine.strategy.close()
     return result
 
 
-def seeded_alike() -> dict:
-    return one_rank(123)
+def every_case() -> dict[str, dict]:
+    """`one_rank` for each case of this file in one job of two ranks, "unseeded" first:
+    each process still holds the seed torch drew for it at start."""
+    return {
+        "unseeded": one_rank(None),
+        "alike": one_rank(123),
+        "apart": one_rank(100, apart=True),
+        "apart, given 5": one_rank(100, apart=True, seed=5, close=True),
+    }
 
 
-def seeded_apart() -> dict:
-    return one_rank(100, apart=True)
-
-
-def seeded_apart_and_given_five() -> dict:
-    return one_rank(100, apart=True, seed=5)
-
-
-def unseeded() -> dict:
-    return one_rank(None)
+@pytest.fixture(scope="module")
+def cases() -> list[dict[str, dict]]:
+    """`every_case()` by rank."""
+    return run_ranks(every_case, 2, timeout=80)
 
 
 def generators(result: dict) -> dict:
@@ -121,22 +128,24 @@ def test_a_seed_given_to_init_reseeds_one_process() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_a_seed_set_alike_on_every_rank_is_kept() -> None:
-    for got in run_ranks(seeded_alike, 2, timeout=80):
+def test_a_seed_set_alike_on_every_rank_is_kept(cases: list[dict[str, dict]]) -> None:
+    for got in (case["alike"] for case in cases):
         assert_close(generators(got), expected(123))
         assert (got["seed"], got["shuffle"], got["logs"]) == (None, first_shuffle_seed(123), [])
 
 
 @pytest.mark.timeout(90)
-def test_a_seed_given_to_init_reseeds_every_rank() -> None:
-    for got in run_ranks(seeded_apart_and_given_five, 2, timeout=80):
+def test_a_seed_given_to_init_reseeds_every_rank(cases: list[dict[str, dict]]) -> None:
+    for got in (case["apart, given 5"] for case in cases):
         assert_close(generators(got), expected(5))
         assert (got["seed"], got["shuffle"], got["logs"]) == (5, 5, [])
 
 
 @pytest.mark.timeout(90)
-def test_ranks_seeded_apart_all_get_rank_0s_seed_and_are_told() -> None:
-    first, second = run_ranks(seeded_apart, 2, timeout=80)
+def test_ranks_seeded_apart_all_get_rank_0s_seed_and_are_told(
+    cases: list[dict[str, dict]],
+) -> None:
+    first, second = (case["apart"] for case in cases)
     for got in (first, second):
         assert_close(generators(got), expected(100))
         assert got["seed"] is None
@@ -147,9 +156,9 @@ def test_ranks_seeded_apart_all_get_rank_0s_seed_and_are_told() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_unseeded_ranks_start_equal() -> None:
+def test_unseeded_ranks_start_equal(cases: list[dict[str, dict]]) -> None:
     """Fresh processes each draw their own torch seed; init gives every rank rank 0's."""
-    first, second = run_ranks(unseeded, 2, timeout=80)
+    first, second = (case["unseeded"] for case in cases)
     assert_close(generators(first), generators(second))
     assert first["seed"] is second["seed"] is None
     assert first["shuffle"] == second["shuffle"]
