@@ -5,6 +5,13 @@ port, runs ``fn(*args)`` in each with RANK/WORLD_SIZE/... set as `dtrain run` se
 and returns the results by rank. A worker's exception fails the test with every failed
 rank's own traceback, tagged by rank; a worker that hangs past `timeout` fails it too;
 either way every process is ended before the helper returns.
+
+Each spawn costs seconds (every process imports torch), so a test file runs one job per
+world size: a module fixture runs every check of that size one after the other in one
+process group (`training.train_variants`, `habits.run_strategies`, `test_ps.ps_runs`),
+and each promise keeps its own named test reading the fixture's results. Add a new check
+to its file's job rather than a new `run_ranks` call. `conftest.run_ckpt` runs `dtrain
+ckpt` in the test process; tests/test_cli.py keeps the command-line path.
 """
 
 from __future__ import annotations
