@@ -16,7 +16,12 @@ from dataclasses import dataclass, field, fields
 from dtrain import config_rules
 from dtrain.config_rules.artifacts import step_window
 from dtrain.config_rules.launching import MAX_TIMEOUT_S, default_strategy
-from dtrain.config_rules.slow_links import COMPRESSES_CAST, COMPRESSES_POWERSGD, grad_compression
+from dtrain.config_rules.slow_links import (
+    COMPRESSES_CAST,
+    COMPRESSES_POWERSGD,
+    grad_compression,
+    training_of,
+)
 from dtrain.errors import ConfigError
 
 __all__ = [
@@ -28,6 +33,7 @@ __all__ = [
     "grad_compression",
     "option",
     "step_window",
+    "training_of",
 ]
 
 ENV_VAR = "DTRAIN_CONFIG"

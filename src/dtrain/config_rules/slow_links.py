@@ -42,6 +42,21 @@ def grad_compression(text: str) -> tuple[str, int]:
     return kind, int(rank)
 
 
+def training_of(strategy: str, setting: str) -> str:
+    """How faithfully `strategy` with --grad-compression `setting` trains `single`'s
+    model: "exact" (the same, up to float rounding); "rounded" (each gradient is cast to
+    16 bits for its reduction: the same training within the format's rounding, as the
+    cast keeps each gradient's direction); "approximate" (PowerSGD's low-rank factors,
+    local SGD's and DiLoCo's replicas that drift apart between syncs: the loss can
+    differ). The planner ranks by it and the diagnosis words its advice by it."""
+    if strategy == "local-sgd":
+        return "approximate"
+    kind, _ = grad_compression(setting)
+    if kind == "none":
+        return "exact"
+    return "approximate" if kind == "powersgd" else "rounded"
+
+
 def check(config: Config) -> None:
     """Raise ConfigError for a slow-link option its strategy does not run, or a value
     outside its range (which strategies compress is checked across concerns)."""

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from dtrain.config import COMPRESSES_CAST, COMPRESSES_POWERSGD
+from dtrain.config import COMPRESSES_CAST, COMPRESSES_POWERSGD, training_of
 
 SHARE = 0.2
 """A cause is reported when it costs at least this share of the step."""
@@ -207,34 +207,39 @@ def _accumulate_more(grad_accumulation: int) -> str:
 
 def _fewer_bytes(job: Job | None) -> str:
     """The advice to send fewer bytes per step: across machines, the flags that apply to
-    `job`'s strategy (exact ones first; compression only where dtrain runs it)."""
+    `job`'s strategy, by how faithfully they keep its training (`training_of`): exact
+    ones first, then a 16-bit cast, then those that change it (compression only where
+    dtrain runs it)."""
     generic = "use --hierarchical across machines, or a strategy that moves fewer bytes per step"
     if job is None or job.nnodes < 2:
         return generic
-    exact, inexact = [], []
+    exact, rounded, approximate = [], [], []
     if job.strategy == "ddp" and not job.hierarchical:
         exact.append("--hierarchical")
     if job.strategy in ("zero2", "zero3"):
         exact.append("--strategy hsdp (shards inside each machine, replicates across)")
-    cast = job.grad_compression in ("fp16", "bf16")
+    cast = training_of(job.strategy, job.grad_compression) == "rounded"
     if job.strategy in COMPRESSES_CAST and job.grad_compression == "none":
-        inexact.append(f"--grad-compression {job.half}")
+        rounded.append(f"--grad-compression {job.half}")
     elif job.strategy in COMPRESSES_POWERSGD and cast and not job.hierarchical:
-        inexact.append("--grad-compression powersgd:4")  # PowerSGD refuses --hierarchical
+        approximate.append("--grad-compression powersgd:4")  # PowerSGD refuses --hierarchical
     if job.strategy in DATA_PARALLEL:
-        inexact.append("--strategy local-sgd (if a whole replica fits one device)")
+        approximate.append("--strategy local-sgd (if a whole replica fits one device)")
     elif job.strategy == "local-sgd":
-        inexact.append("a larger --sync-every")
-    if not exact and not inexact:
+        approximate.append("a larger --sync-every")
+    flags = exact + rounded + approximate
+    if not flags:
         return "or use a strategy that moves fewer bytes per step"
-    flags = exact + inexact
     listed = ", ".join(flags[:-1]) + (" or " if len(flags) > 1 else "") + flags[-1]
     text = f"or send fewer bytes between the {job.nnodes} machines: {listed}"
-    if inexact:
-        if not exact:
-            which = "this changes" if len(inexact) == 1 else "these change"
-        else:
-            which = "the last changes" if len(inexact) == 1 else f"the last {len(inexact)} change"
+    if rounded:
+        text += f"; {rounded[0]} rounds each gradient to 16 bits (the same training within"
+        text += " that rounding)"
+    if approximate:
+        many = len(approximate) > 1
+        which = f"the last {len(approximate)} change" if many else "the last changes"
+        if len(approximate) == len(flags):
+            which = "these change" if many else "this changes"
         text += f"; {which} the training: check the loss"
     return text
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtrain.config import Config, grad_compression
+from dtrain.config import Config, grad_compression, training_of
 from dtrain.errors import ConfigError
 
 MASTER_PLACEHOLDER = "NODE0:29500"
@@ -62,17 +62,9 @@ class Layout:
 
     @property
     def training(self) -> str:
-        """How faithfully the layout trains `single`'s model: "exact" (the same, up to
-        float rounding); "rounded" (each gradient is cast to 16 bits for its reduction: the
-        same training within the format's rounding, as the cast keeps each gradient's
-        direction); "approximate" (PowerSGD's low-rank factors, local SGD's and DiLoCo's
-        replicas that drift apart between syncs: the loss can differ)."""
-        if self.strategy == "local-sgd":
-            return "approximate"
-        kind, _ = grad_compression(self.grad_compression)
-        if kind == "none":
-            return "exact"
-        return "approximate" if kind == "powersgd" else "rounded"
+        """How faithfully the layout trains `single`'s model (`dtrain.config.training_of`):
+        "exact", "rounded" or "approximate"."""
+        return training_of(self.strategy, self.grad_compression)
 
     @property
     def exact(self) -> bool:
