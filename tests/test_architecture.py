@@ -183,8 +183,7 @@ def test_every_unit_has_a_layer():
 def test_imports_run_down_the_layers():
     layers = layer_of()
     upward = [
-        f"{where} ({source}: {LAYERS[layers[source]][0]} -> {target}: "
-        f"{LAYERS[layers[target]][0]})"
+        f"{where} ({source}: {LAYERS[layers[source]][0]} -> {target}: {LAYERS[layers[target]][0]})"
         for source, target, where in arrows()
         if source in layers and target in layers and layers[target] > layers[source]
     ]

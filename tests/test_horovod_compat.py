@@ -25,9 +25,7 @@ from dtrain.horovod.errors import HorovodUsageError
 CYCLES = 4
 
 
-def _one_cycle(
-    cycle: int, solo: hvd.ProcessSet, previous: hvd.ProcessSet | None
-) -> hvd.ProcessSet:
+def _one_cycle(cycle: int, solo: hvd.ProcessSet, previous: hvd.ProcessSet | None) -> hvd.ProcessSet:
     """init, a few operations, shutdown; returns the set added after init."""
     r = int(os.environ["RANK"])
     hvd.init(process_sets=[solo])

@@ -19,8 +19,8 @@ from torch.testing import assert_close
 
 import dtrain.horovod as hvd
 from dtrain.horovod import channel
-from dtrain.horovod.engine import Engine
 from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError
+from dtrain.horovod.negotiation import Negotiation
 from dtrain.horovod.requests import ALLREDUCE, BROADCAST, JOIN, Request
 from dtrain.horovod.table import Table
 
@@ -361,7 +361,7 @@ class _SilentChannel:
 def test_an_exchange_that_never_completes_is_named_as_such() -> None:
     """When even this process's announcement has not gone through (a peer stopped taking
     part in the exchange), the stall error says so instead of listing every rank."""
-    engine = Engine(0, 2, _SilentChannel(), lambda ready: None, lambda r: [r], 0.5, None)
+    engine = Negotiation(0, 2, _SilentChannel(), lambda ready: None, lambda r: [r], 0.5, None)
     operation = engine.submit(Request("allreduce.x", ALLREDUCE, (0, 1)))
     with pytest.raises(HorovodInternalError, match="the exchange has not completed"):
         operation.wait()

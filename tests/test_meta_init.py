@@ -199,4 +199,3 @@ def sharding_held_bytes() -> tuple[list[int], int, bool]:
     del model
     engine.close()
     return held, after, bool(moved)
-

@@ -141,8 +141,14 @@ def test_diloco_trains_the_digits_across_two_hosts(hosts: cluster.Cluster, tmp_p
         hosts.popen(
             host,
             _command(
-                "demo", *flags, "--node-rank", str(rank), "--out", str(tmp_path / f"n{rank}"),
-                "--metrics-json", str(tmp_path / f"m{rank}.json"),
+                "demo",
+                *flags,
+                "--node-rank",
+                str(rank),
+                "--out",
+                str(tmp_path / f"n{rank}"),
+                "--metrics-json",
+                str(tmp_path / f"m{rank}.json"),
             ),  # fmt: skip
             cwd=tmp_path,
             env=_env(),

@@ -13,7 +13,7 @@ import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models import MODELS, build
-from dtrain.strategies.ps import protocol, sharding, state
+from dtrain.strategies.ps import protocol, sharding, state_shards
 from dtrain.strategies.ps.optimizer import GroupSettings, check_optimizer
 from dtrain.strategies.ps.storage import FlatParameters
 from dtrain.strategies.ps.strategy import ParameterServer
@@ -91,16 +91,16 @@ def test_checkpoint_state_round_trips_through_the_servers_keys() -> None:
         0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(300, 3)},
         1: {"step": torch.tensor(3.0), "exp_avg": torch.randn(7)},
     }
-    parts = [state.split(shard, values, params, loaded) for shard in plan.shards]
+    parts = [state_shards.split(shard, values, params, loaded) for shard in plan.shards]
     for shard, part in zip(plan.shards, parts, strict=True):
         for bucket in shard.buckets:
             got = part["params"][bucket.offset : bucket.offset + bucket.numel]
             assert torch.equal(got, values[bucket.start : bucket.start + bucket.numel])
-    merged = state.merge(plan, params, [part["state"] for part in parts])
+    merged = state_shards.merge(plan, params, [part["state"] for part in parts])
     for index, values_of in loaded.items():
         for name, value in values_of.items():
             assert torch.equal(merged[index][name], value), (index, name)
-    assert state.split(plan.shards[0], values, params, None)["state"] is None
+    assert state_shards.split(plan.shards[0], values, params, None)["state"] is None
 
 
 def test_protocol_bytes_round_trip() -> None:

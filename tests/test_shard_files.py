@@ -108,8 +108,12 @@ def test_each_rank_opens_only_its_partitions_files_and_resume_reads_no_skipped_s
     files = ShardFiles(directory, shuffle_block=2)
     resumed = read(files, 1, shuffle=False, resume_at=(0, 3 * GLOBAL_BATCH))
     assert resumed == [[list(range(18, 24)) + list(range(42, 48))]]
-    assert set(files.opened) == {"shard-00003.pt", "shard-00004.pt", "shard-00008.pt",
-                                 "shard-00009.pt"}
+    assert set(files.opened) == {
+        "shard-00003.pt",
+        "shard-00004.pt",
+        "shard-00008.pt",
+        "shard-00009.pt",
+    }
 
 
 def test_a_resumed_epoch_equals_the_uninterrupted_one_at_another_world_size(
@@ -157,8 +161,10 @@ def test_formats_a_decode_hook_and_unequal_partitions(tmp_path: Path) -> None:
     fed = feeder(1, 0)
     fed.say = said.append
     loader = fed.loader(decoded, None, GLOBAL_BATCH, True, True, seed=0)
-    assert said[0].endswith("partitions hold 12 to 36 samples and each step takes 6 of each, "
-                            "so the smallest decides: 2 steps per epoch, 24 samples left out.")
+    assert said[0].endswith(
+        "partitions hold 12 to 36 samples and each step takes 6 of each, "
+        "so the smallest decides: 2 steps per epoch, 24 samples left out."
+    )
     batches = [batch.tolist() for batch in fed.epoch(loader, 0, "", lambda: None)]
     assert sorted(i for batch in batches for i in batch[:6]) == list(range(12))
     assert len(batches) == 2 and all(min(batch[6:]) >= 12 for batch in batches)
@@ -263,7 +269,13 @@ def test_persistent_workers_read_a_seed_set_after_they_started(tmp_path: Path) -
     directory = ids(tmp_path / "d", 1)
     fed = feeder(1, 0)
     loader = fed.loader(
-        ShardFiles(directory), None, GLOBAL_BATCH, True, True, seed=3, num_workers=1,
+        ShardFiles(directory),
+        None,
+        GLOBAL_BATCH,
+        True,
+        True,
+        seed=3,
+        num_workers=1,
         persistent_workers=True,
     )
     assert len(list(fed.epoch(loader, 0, "", lambda: None))) == STEPS

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import fields
 
 from dtrain.strategies.base import Strategy
+from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.placement import Placement
 from dtrain.strategies.specs import available, lookup
-from dtrain.strategies.state import CheckpointState
 
 MOST_MEMBERS = 15
 

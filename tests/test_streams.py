@@ -86,9 +86,7 @@ def read(
     per_rank = []
     for rank in range(world):
         fed = feeder(world, rank, Position(resume_at=resume_at))
-        loader = fed.loader(
-            data, None, GLOBAL_BATCH, False, drop_last, seed=0, **loader_kwargs
-        )
+        loader = fed.loader(data, None, GLOBAL_BATCH, False, drop_last, seed=0, **loader_kwargs)
         per_rank.append([batch.tolist() for batch in fed.epoch(loader, epoch, "", lambda: None)])
     return per_rank
 
@@ -126,7 +124,13 @@ def test_a_sized_stream_counts_its_batches_and_persistent_workers_follow_the_epo
             assert len(loader) == len(list(fed.epoch(loader, 0, "", lambda: None)))
     fed = feeder(1, 0)
     loader = fed.loader(
-        SizedStream(), None, GLOBAL_BATCH, False, True, seed=0, num_workers=2,
+        SizedStream(),
+        None,
+        GLOBAL_BATCH,
+        False,
+        True,
+        seed=0,
+        num_workers=2,
         persistent_workers=True,
     )
     for epoch in (0, 1):

@@ -348,8 +348,7 @@ def _check_writable(flag: str, path: Path, file_example: str | None) -> None:
         )
     if file_example is not None and os.path.isdir(path):
         raise ConfigError(
-            f"{flag} {path} is a directory; give the file to write, such as "
-            f"{path / file_example}."
+            f"{flag} {path} is a directory; give the file to write, such as {path / file_example}."
         )
     whole = path.absolute()
     existing = next(p for p in (whole, *whole.parents) if os.path.exists(p))

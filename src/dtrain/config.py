@@ -315,4 +315,3 @@ class Config:
         """The configuration `dtrain run` passed to this process, or None outside it."""
         text = os.environ.get(ENV_VAR)
         return cls.from_json(text) if text else None
-

@@ -71,7 +71,6 @@ class StreamShare(IterableDataset, RankShare):
         # workers keep the copy of this object they started with, and must see each epoch.
         self._where = torch.zeros(2, dtype=torch.int64).share_memory_()
 
-
     @property
     def epoch(self) -> int:
         """The epoch the next iteration reads."""

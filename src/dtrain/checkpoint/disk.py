@@ -110,9 +110,7 @@ def write_failed(target: Path, error: OSError, size: int | None) -> CheckpointEr
 
 
 @contextlib.contextmanager
-def writing(
-    target: Path, size: int | None = None, partial: Path | None = None
-) -> Iterator[None]:
+def writing(target: Path, size: int | None = None, partial: Path | None = None) -> Iterator[None]:
     """Turn an OSError of the block, which writes the checkpoint `target` (about `size`
     bytes), into :func:`write_failed`'s CheckpointError; other errors pass unchanged.
     If the block fails, the folder `partial` (its unfinished writing) is removed first,

@@ -113,6 +113,5 @@ def _check_elastic(config: Config) -> None:
         raise ConfigError(f"--max-restarts must be >= 0, got {config.max_restarts}.")
     if config.last_call_s < 1:
         raise ConfigError(
-            f"--last-call must be a whole number of seconds, at least 1, got "
-            f"{config.last_call_s}."
+            f"--last-call must be a whole number of seconds, at least 1, got {config.last_call_s}."
         )

@@ -107,8 +107,7 @@ def _check_local_sgd(config: Config) -> None:
         )
     if config.outer_momentum is not None and not 0 <= config.outer_momentum < 1:
         raise ConfigError(
-            f"--outer-momentum must lie in [0, 1), got {config.outer_momentum}; DiLoCo uses "
-            "0.9."
+            f"--outer-momentum must lie in [0, 1), got {config.outer_momentum}; DiLoCo uses 0.9."
         )
     if config.outer_optimizer == "nesterov" and config.outer_momentum == 0:
         raise ConfigError(

@@ -4,7 +4,7 @@
 scripts run unchanged under ``horovodrun`` (dtrain's) or ``dtrain run``; started with
 plain ``python script.py`` they run as one process, as under Horovod. See docs/horovod.md
 for what is supported and what differs. Operations are negotiated by name between the
-processes, as in Horovod (see `engine.py`).
+processes, as in Horovod (see `negotiation.py`).
 """
 
 from __future__ import annotations

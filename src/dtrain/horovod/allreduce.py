@@ -17,8 +17,8 @@ import torch
 
 from dtrain.horovod import basics
 from dtrain.horovod.compression import Compression, Compressor
-from dtrain.horovod.engine import Operation
 from dtrain.horovod.handles import Handle, submit
+from dtrain.horovod.negotiation import Operation
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
 from dtrain.horovod.reduction import ReduceOp, check_scalable, resolve
 from dtrain.horovod.requests import ALLREDUCE

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from dtrain.horovod import process_sets
-from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
 from dtrain.horovod.handles import Handle, submit
+from dtrain.horovod.negotiation import Operation
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
 from dtrain.horovod.requests import ALLTOALL
 

@@ -34,7 +34,7 @@ class Context:
         devices: device type -> backend of the process group ("cpu" -> "gloo", ...);
             tensors on other devices are staged through one the group handles.
         owns_group: True if `init` created the process group (and `shutdown` destroys it).
-        engine: the negotiation engine (`engine.Engine`) operations are submitted to.
+        engine: the negotiation engine (`negotiation.Negotiation`) operations are submitted to.
         executor: what starts negotiated operations (`execute.Executor`).
         sets: the registered process sets (`process_sets.Registry`).
         control_group: the gloo group the negotiation runs on (None for one process).

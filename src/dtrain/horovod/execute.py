@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.horovod.engine import Operation
+from dtrain.horovod.negotiation import Operation
 from dtrain.horovod.reduction import ReduceOp, scale_, torch_op
 from dtrain.horovod.requests import (
     ALLGATHER,

@@ -12,8 +12,8 @@ import torch
 from dtrain.horovod import basics
 from dtrain.horovod.allgather import start as start_allgather
 from dtrain.horovod.broadcast import start as start_broadcast
-from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
+from dtrain.horovod.negotiation import Operation
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise

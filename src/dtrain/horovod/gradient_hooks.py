@@ -21,9 +21,9 @@ from dtrain.horovod import basics
 from dtrain.horovod.allgather import start_sparse
 from dtrain.horovod.allreduce import start
 from dtrain.horovod.compression import Compressor
-from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
 from dtrain.horovod.handles import Handle
+from dtrain.horovod.negotiation import Operation
 from dtrain.horovod.process_sets import ProcessSet
 from dtrain.horovod.reduction import ReduceOp
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from dtrain.horovod import basics, process_sets
-from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodInternalError, HorovodUsageError
+from dtrain.horovod.negotiation import Operation
 from dtrain.horovod.process_sets import ProcessSet
 from dtrain.horovod.requests import Request, describe, full_name
 

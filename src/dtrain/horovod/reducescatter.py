@@ -15,9 +15,9 @@ from dtrain.horovod import basics, process_sets
 from dtrain.horovod.allgather import start as start_allgather
 from dtrain.horovod.allreduce import needs_grad
 from dtrain.horovod.compression import Compression, Compressor
-from dtrain.horovod.engine import Operation
 from dtrain.horovod.errors import HorovodUsageError
 from dtrain.horovod.handles import Handle, submit
+from dtrain.horovod.negotiation import Operation
 from dtrain.horovod.process_sets import ProcessSet, global_process_set
 from dtrain.horovod.reduction import ReduceOp, resolve
 from dtrain.horovod.requests import REDUCESCATTER

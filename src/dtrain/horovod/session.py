@@ -27,9 +27,9 @@ from dtrain.horovod import basics, timeline
 from dtrain.horovod import channel as control
 from dtrain.horovod.basics import Context
 from dtrain.horovod.channel import Channel
-from dtrain.horovod.engine import Engine
 from dtrain.horovod.errors import HorovodUsageError, UnsupportedError
 from dtrain.horovod.execute import Executor
+from dtrain.horovod.negotiation import Negotiation
 from dtrain.horovod.process_sets import ProcessSet, Registry, dynamic_requested, setup
 from dtrain.topology import Topology, init_process_group
 
@@ -186,7 +186,7 @@ def _start_negotiation(ctx: Context, timeout_s: float, dynamic: bool) -> None:
     ctx.executor = Executor(ctx.rank, ctx.devices, ctx.sets.group_of, fusion)
     fail_s, warn_s = _stall_limits(timeout_s)
     run, plan = ctx.executor.run, ctx.executor.plan
-    ctx.engine = Engine(ctx.rank, ctx.size, channel, run, plan, fail_s, warn_s)
+    ctx.engine = Negotiation(ctx.rank, ctx.size, channel, run, plan, fail_s, warn_s)
     ctx.engine.timeline = timeline.from_environment(ctx.rank)
 
 

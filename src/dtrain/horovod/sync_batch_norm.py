@@ -61,7 +61,6 @@ class SyncBatchNorm(SyncNorm):
 
     def exchange(self) -> Exchange | None:
         alone = (
-            basics.size() == 1
-            or len(process_sets.members(self.process_set, "SyncBatchNorm")) == 1
+            basics.size() == 1 or len(process_sets.members(self.process_set, "SyncBatchNorm")) == 1
         )
         return None if alone else _ProcessSetExchange(self.process_set)

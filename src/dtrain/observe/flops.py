@@ -21,6 +21,7 @@ class TransformerShape(Protocol):
     dim: int
     context: int
 
+
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # Dense peaks from the vendors' data sheets, TFLOP/s: fp32 (no tensor cores), tf32,
     # bf16 and fp16 tensor cores (fp16 runs at bf16's rate where both exist). H200 has

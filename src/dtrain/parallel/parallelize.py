@@ -175,4 +175,3 @@ def _blocks(units: list[nn.Module], config: Config) -> list[list[nn.Module]]:
         )
         for unit in units
     ]
-

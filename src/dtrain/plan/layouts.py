@@ -242,9 +242,7 @@ def inexact_layouts(nproc: int, nnodes: int, half: str) -> list[Layout]:
     for name in ("ddp", "zero1"):
         out += [Layout(name, **job, grad_compression=f"powersgd:{r}") for r in POWERSGD_RANKS]
     for outer in ("none", "nesterov"):
-        out += [
-            Layout("local-sgd", **job, sync_every=h, outer_optimizer=outer) for h in SYNC_EVERY
-        ]
+        out += [Layout("local-sgd", **job, sync_every=h, outer_optimizer=outer) for h in SYNC_EVERY]
     return out
 
 

@@ -23,9 +23,9 @@ from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.materialize import DeferredInit
 from dtrain.precision import LossScaling, compute_dtype
+from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.placement import replicas
 from dtrain.strategies.specs import lookup
-from dtrain.strategies.state import CheckpointState
 from dtrain.topology import Topology
 
 

@@ -17,9 +17,9 @@ from torch.optim import Optimizer
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
+from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.mesh import MeshStrategy
 from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
-from dtrain.strategies.state import CheckpointState
 from dtrain.topology import Topology
 
 

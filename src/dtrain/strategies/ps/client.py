@@ -274,9 +274,7 @@ class Client:
             hook.remove()
 
     # -- transport -------------------------------------------------------------------------
-    def _request(
-        self, s: int, op: Op, *fields: float, settings: list[float] | None = None
-    ) -> None:
+    def _request(self, s: int, op: Op, *fields: float, settings: list[float] | None = None) -> None:
         """Send server `s` a header: `fields` are its a, b, c (see protocol.py)."""
         head = protocol.header(op, self.rank, *fields, settings=settings, width=self.width)
         self.sends.append((self.channel.send(head, self.servers[s], HEADER), head))

@@ -60,9 +60,7 @@ def check_optimizer(optimizer: Optimizer | None) -> None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) or (
-        isinstance(value, torch.Tensor) and value.dim() == 0
-    )
+    return isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.dim() == 0)
 
 
 def _width(value: Any) -> int:

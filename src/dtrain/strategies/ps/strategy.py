@@ -32,7 +32,7 @@ from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.strategies.base import Strategy
-from dtrain.strategies.ps import sharding, state
+from dtrain.strategies.ps import sharding, state_shards
 from dtrain.strategies.ps.client import Client
 from dtrain.strategies.ps.handshake import Description, handshake
 from dtrain.strategies.ps.optimizer import GroupSettings, WorkerOptimizer, check_optimizer
@@ -249,7 +249,7 @@ class ParameterServer(Strategy):
             values = self._client.store.host()
             loaded = self.optimizer.loaded_state
             for s, shard in enumerate(self.plan.shards):
-                payload = state.split(shard, values, self._client.params, loaded)
+                payload = state_shards.split(shard, values, self._client.params, loaded)
                 self._client.set_state(s, payload)
         self.optimizer.loaded_state = None
         self._resume()
@@ -259,7 +259,7 @@ class ParameterServer(Strategy):
     def _fetch_state(self) -> dict[int, dict[str, Any]]:
         """The servers' optimizer state as whole tensors, by parameter position."""
         assert self.plan is not None
-        return state.merge(self.plan, self._client.params, self._client.fetch_state())
+        return state_shards.merge(self.plan, self._client.params, self._client.fetch_state())
 
     # -- measurements and end --------------------------------------------------------------
     def report(self) -> dict[str, object]:

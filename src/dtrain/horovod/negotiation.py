@@ -46,7 +46,9 @@ class Operation:
         "_engine",
     )
 
-    def __init__(self, request: Request, tensors: Sequence[torch.Tensor], engine: Engine) -> None:
+    def __init__(
+        self, request: Request, tensors: Sequence[torch.Tensor], engine: Negotiation
+    ) -> None:
         self.request = request
         self.tensors = list(tensors)
         self.issued = time.time()
@@ -105,7 +107,7 @@ class Operation:
 Runner = Callable[[list[tuple[Response, "Operation | None"]]], None]
 
 
-class Engine:
+class Negotiation:
     """Announces, negotiates and starts this process's operations.
 
     Args:
