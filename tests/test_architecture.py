@@ -169,6 +169,18 @@ def test_every_module_is_named_in_the_architecture_doc():
     )
 
 
+def test_the_core_uses_each_file_name_once():
+    seen: dict[str, list[str]] = {}
+    for rel in sorted(units()):
+        if not rel.endswith("__init__.py") and not rel.startswith(tuple(PRODUCTS)):
+            seen.setdefault(rel.rsplit("/", 1)[-1], []).append(rel)
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not repeated, (
+        f"Core modules share a file name: {repeated}. Rename one so that its name says "
+        "which room it is (docs/architecture.md, 'The products')."
+    )
+
+
 def test_every_unit_has_a_layer():
     layers = layer_of()
     unplaced = sorted(set(units().values()) - set(layers))
