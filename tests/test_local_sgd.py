@@ -26,6 +26,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import dtrain
+from dtrain.checkpoint import rank_states
+from dtrain.checkpoint.format import TRAINER_FILE
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.strategies.specs import lookup
@@ -247,6 +249,9 @@ def test_diloco_resume_between_and_at_syncs_equals_uninterrupted(runs: dict) -> 
         # save changes nothing (no sync of its own)
         for resumed in ("unsaved", "from_4", "from_6", "sharded_from_4"):
             assert_close(rank[resumed]["replica"], whole, rtol=0, atol=0)
+    # The sharded checkpoint's replicas are entries each rank wrote, never gathered.
+    trainer = torch.load(Path(runs["root"]) / "c" / TRAINER_FILE, weights_only=True)
+    assert rank_states.LISTED not in trainer and trainer[rank_states.WRITTEN] == 2
     assert not torch.equal(
         runs["two"][0]["whole"]["replica"]["0.weight"],
         runs["two"][1]["whole"]["replica"]["0.weight"],

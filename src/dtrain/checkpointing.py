@@ -178,15 +178,17 @@ class Checkpoints(Observer):
         return {"replica": replica, "powersgd": powersgd.state_dict() if powersgd else None}
 
     def _own_states(self, own: dict[str, Any] | None, part: Part | None) -> dict[str, Any]:
-        """The trainer file's record of every rank's `own` state: under a sharded `part`
-        that every rank writes, `own` goes into it as this rank's entry; else the states
-        are gathered to the main rank, which writes them all (collective)."""
+        """The trainer file's record of every rank's `own` state: under a sharded `part`,
+        `own` goes into it as this rank's entry, and every rank takes part in writing it
+        (so no rank holds the others'); a consolidated checkpoint gathers the states to
+        the main rank, which writes them all (collective)."""
         if own is None:
             return {}
         group = self.strategy.placement.train_group
         me, ranks = rank_in(group)
-        if part is not None and not part.alone:
+        if part is not None:
             part.state[rank_states.entry_key(me)] = rank_states.as_entry(own)
+            part.alone = False
             return {rank_states.WRITTEN: ranks}
         return {rank_states.LISTED: gather_to_main(own, group)}
 

@@ -2,14 +2,13 @@
 between syncs, PowerSGD's error feedback), saved so that every rank resumes its own.
 
 A consolidated checkpoint has one writer, so the ranks' states are gathered into its
-trainer file (``rank_states``: a list in rank order); so are those of a sharded
-checkpoint that the main rank writes alone (zero1, ps, local-sgd: their state is not the
-module's). A sharded checkpoint whose ranks write their own parts (ddp, hsdp and the
-other strategies whose optimizer follows the module) keeps each rank's state as an entry
-of its own (``ranks.R``: the bytes of a ``torch.save`` of it, as a uint8 tensor),
-written by that rank, so that no rank ever holds the others'; its trainer file records
-how many ranks wrote them (``rank_states_written``). `ckpt convert` gathers the entries
-into the consolidated checkpoint's list.
+trainer file (``rank_states``: a list in rank order). A sharded checkpoint keeps each
+rank's state as an entry of its own (``ranks.R``: the bytes of a ``torch.save`` of it, as
+a uint8 tensor), written by that rank, so that no rank ever holds the others' (where the
+main rank writes the model alone, zero1's or local-sgd's, the other ranks still write
+their own entry beside it); its trainer file records how many ranks wrote them
+(``rank_states_written``). `ckpt convert` gathers the entries into the consolidated
+checkpoint's list.
 """
 
 from __future__ import annotations

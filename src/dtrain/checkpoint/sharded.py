@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 @dataclass
 class Part:
     """What one rank writes: its entries, its optimizer groups by name, and whether the
-    main rank writes the whole state alone (gathered by `strategy.full_state`)."""
+    main rank writes every entry alone (the whole state, gathered by `strategy.full_state`,
+    where no rank has an entry of its own to add)."""
 
     state: dict[str, Any]
     groups: list[list[str]] | None
