@@ -23,6 +23,12 @@ from dtrain.errors import ConfigError
 
 DEST = "config"
 
+PLAIN: dict[object, tuple[type, ...]] = {int: (int,), float: (int, float), str: (str,)}
+"""The TOML values each built-in converter takes (a whole number is a float too)."""
+
+KINDS = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array"}
+"""TOML's names of the types tomllib reads, but tables and dates, for messages."""
+
 
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
     """Add ``--config FILE.toml`` to `parser` (read by :func:`parse_with_config`)."""
@@ -52,7 +58,7 @@ def parse_with_config(
     path = getattr(args, DEST, None)
     if path is None:
         return args
-    target = _chosen_parser(parser, args)
+    target = chosen_parser(parser, args)
     target.set_defaults(**read_config(Path(path), target))
     return parser.parse_args(argv)
 
@@ -65,8 +71,7 @@ def read_config(path: Path, parser: argparse.ArgumentParser) -> dict[str, object
     """
     text = _read_text(path)
     table = _parse_toml(path, text)
-    flags = _flags_by_key(parser)
-    refused = _refused_keys(parser)
+    flags, refused = _keys(parser)
     values: dict[str, object] = {}
     given_as: dict[str, str] = {}
     for key, value in table.items():
@@ -132,53 +137,42 @@ def _where(path: Path, text: str, key: str) -> str:
     return f"{path}, line {text.count(chr(10), 0, match.start()) + 1}"
 
 
-def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags and arguments of `parser` (not those of its subcommands' parsers)."""
     # argparse has no public list of a parser's actions; `_actions` is the one it iterates.
+    # This is the one place dtrain reads it.
     return list(parser._actions)
 
 
-def _chosen_parser(
+def chosen_parser(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> argparse.ArgumentParser:
     """The innermost parser `args` went through (the chosen subcommand's, if any)."""
-    for action in _actions(parser):
+    for action in parser_actions(parser):
         if isinstance(action, argparse._SubParsersAction):
             chosen = getattr(args, action.dest, None)
             if chosen is not None:
-                return _chosen_parser(action.choices[chosen], args)
+                return chosen_parser(action.choices[chosen], args)
     return parser
-
-
-def _is_settable(action: argparse.Action) -> bool:
-    """A flag a file may set: a long option holding a value, or a true/false switch
-    (not --help, --version, a subcommand or --config itself)."""
-    if action.dest in (DEST, argparse.SUPPRESS) or not _long_flag(action):
-        return False
-    return action.nargs != 0 or isinstance(action.const, bool)
 
 
 def _long_flag(action: argparse.Action) -> str | None:
     return next((s for s in action.option_strings if s.startswith("--")), None)
 
 
-def _flags_by_key(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Every key that sets a flag: each long option without its dashes, with '-' or '_'."""
-    keys: dict[str, argparse.Action] = {}
-    for action in filter(_is_settable, _actions(parser)):
-        for option in action.option_strings:
-            if option.startswith("--"):
-                keys[option[2:]] = action
-                keys[option[2:].replace("-", "_")] = action
-    return keys
-
-
-def _refused_keys(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Names a file might try but may not set, with the end of the sentence saying why."""
+def _keys(
+    parser: argparse.ArgumentParser,
+) -> tuple[dict[str, argparse.Action], dict[str, str]]:
+    """The keys that set a flag (each long option without its dashes, with '-' or '_': a
+    flag holding a value, or a true/false switch), and the names a file might try but may
+    not set, with the end of the sentence saying why (--help, --version and a subcommand
+    are neither)."""
+    flags: dict[str, argparse.Action] = {}
     refused = {
         DEST: "would name another config file; merge the two files into one, or give the "
         "other file's flags on the command line."
     }
-    for action in _actions(parser):
+    for action in parser_actions(parser):
         if action.dest in (DEST, argparse.SUPPRESS) or isinstance(
             action, argparse._SubParsersAction
         ):
@@ -195,7 +189,11 @@ def _refused_keys(parser: argparse.ArgumentParser) -> dict[str, str]:
                 f"is the short switch {switch}, which a config file cannot set; give {switch} "
                 "on the command line."
             )
-    return refused
+        elif action.nargs != 0 or isinstance(action.const, bool):
+            for option in action.option_strings:
+                if option.startswith("--"):
+                    flags[option[2:]] = flags[option[2:].replace("-", "_")] = action
+    return flags, refused
 
 
 def _unknown(
@@ -216,16 +214,8 @@ def _unknown(
 
 def _kind(value: object) -> str:
     """How TOML would name `value`'s type, for messages."""
-    for python, name in (
-        (bool, "a boolean"),
-        (int, "an integer"),
-        (float, "a float"),
-        (str, "a string"),
-        (list, "an array"),
-    ):
-        if isinstance(value, python):
-            return f"{name} ({value!r})"
-    return f"a date or time ({value})"
+    name = KINDS.get(type(value))
+    return f"{name} ({value!r})" if name else f"a date or time ({value})"
 
 
 def _is_list_flag(action: argparse.Action) -> bool:
@@ -256,16 +246,12 @@ def _convert(action: argparse.Action, value: object, key: str, where: str) -> ob
 
 def _convert_one(action: argparse.Action, value: object, key: str, where: str) -> object:
     convert = action.type or str
-    if isinstance(value, bool):  # TOML's true is no number, name or path; switches came first
+    # TOML's true is no number, name or path (switches came first); the value a custom
+    # converter takes is checked by _text_for
+    if isinstance(value, bool) or not isinstance(value, PLAIN.get(convert, object)):
         raise _wrong(key, where, _expected(action), value)
-    if convert is int or convert is float:
-        if not isinstance(value, int if convert is int else (int, float)):
-            raise _wrong(key, where, _expected(action), value)
+    if convert in PLAIN:
         result = convert(value)
-    elif convert is str:
-        if not isinstance(value, str):
-            raise _wrong(key, where, _expected(action), value)
-        result = value
     else:
         text = _text_for(action, value, key, where)
         try:

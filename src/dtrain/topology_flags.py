@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from dtrain.command_names import STRATEGIES, check_strategy
 from dtrain.config import Config
+from dtrain.config_rules.choices import flag_of
 from dtrain.launch import schedulers
 
 SCHEDULED = ("nnodes", "node_rank", "master", "nproc")
@@ -41,6 +42,12 @@ def _name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+CONVERTERS = {"devices": _device_list, "nnodes": _node_count} | dict.fromkeys(
+    ("blocks", "split_points", "logger", "hosts"), _name_list
+)
+"""The fields whose flag takes more than a plain number or name, with its converter."""
+
+
 def add_topology_args(parser: argparse.ArgumentParser) -> None:
     """TOPOLOGY flags, generated from :class:`Config`'s fields and their help."""
     group = parser.add_argument_group("topology")
@@ -48,22 +55,13 @@ def add_topology_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(Config):
         if "help" not in f.metadata:
             continue
-        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        flag = flag_of(f)
         kind = hints[f.name]
         if kind is bool:
             group.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
             continue
-        convert = {int: int, float: float, str: str}.get(
-            typing.get_args(kind)[0] if typing.get_args(kind) else kind
-        )
-        if f.name == "devices":
-            convert = _device_list
-        if f.name == "nnodes":
-            convert = _node_count
-        if f.name in ("blocks", "split_points", "logger"):
-            convert = _name_list
-        if f.name == "hosts":
-            convert = _name_list
+        plain = typing.get_args(kind)[0] if typing.get_args(kind) else kind
+        convert = CONVERTERS.get(f.name, plain)
         help_text = f.metadata["help"]
         if f.name == "strategy":
             help_text += " One of: " + ", ".join(STRATEGIES) + "."

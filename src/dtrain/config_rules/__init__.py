@@ -4,7 +4,7 @@ Each concern checks only its own options (and whether the strategy reads them):
 `launching` the processes, machines and rendezvous; `computation` each step's
 arithmetic; `artifacts` what the run writes; `slow_links` --hierarchical, gradient
 compression and local SGD; `parallelism` the mesh layouts; `parameter_servers` ps.
-`cross` holds the rules between concerns, `choices` the refusal they share. The rules
+`cross` holds the rules between concerns, `choices` the refusals they share. The rules
 here need no machine and no model; those that need the number of processes of a launch
 or the model live in the strategy's spec or runtime. Importable without torch, like
 Config.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtrain.command_names import CHECKPOINT_FORMATS, LOGGERS
-from dtrain.config_rules.choices import one_of
+from dtrain.config_rules.choices import at_least, one_of
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 def check(config: Config) -> None:
     """Raise ConfigError for an output the run could not write as asked."""
-    if config.log_every < 1:
-        raise ConfigError(f"--log-every must be at least 1, got {config.log_every}.")
+    at_least("--log-every", config.log_every)
     step_window(config.trace_steps)
     _check_paths(config)
     unknown = sorted(set(config.logger or ()) - set(LOGGERS))

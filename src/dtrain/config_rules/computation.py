@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtrain.command_names import ACTIVATION_CHECKPOINTING, PRECISIONS
-from dtrain.config_rules.choices import one_of
+from dtrain.config_rules.choices import at_least, one_of
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -15,10 +15,7 @@ if TYPE_CHECKING:
 
 def check(config: Config) -> None:
     """Raise ConfigError for a value no step can compute with."""
-    if config.grad_accumulation < 1:
-        raise ConfigError(
-            f"--grad-accumulation must be at least 1, got {config.grad_accumulation}."
-        )
+    at_least("--grad-accumulation", config.grad_accumulation)
     one_of("--precision", config.precision, PRECISIONS)
     one_of("--activation-checkpointing", config.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     if config.seed is not None and not 0 <= config.seed < 2**64:

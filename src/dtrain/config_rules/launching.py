@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dtrain.config_rules.choices import at_least
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,17 +38,14 @@ def check(config: Config) -> None:
 
 
 def _check_processes(config: Config) -> None:
-    if config.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {config.nproc}.")
-    if config.towers is not None and config.towers < 1:
-        raise ConfigError(f"--towers must be at least 1, got {config.towers}.")
+    at_least("--nproc", config.nproc)
+    at_least("--towers", config.towers)
     if config.towers is not None and config.strategy != "towers":
         raise ConfigError(
             f"--towers sets the replicas of --strategy towers, which --strategy "
             f"{config.strategy} does not use; drop --towers, or use --strategy towers."
         )
-    if config.nnodes < 1:
-        raise ConfigError(f"--nnodes must be at least 1, got {config.nnodes}.")
+    at_least("--nnodes", config.nnodes)
     if not 0 <= config.node_rank < config.nnodes:
         raise ConfigError(
             f"--node-rank must lie in [0, --nnodes), got node rank {config.node_rank} "

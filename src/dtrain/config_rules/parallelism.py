@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtrain.command_names import DP_MODES, SCHEDULES
-from dtrain.config_rules.choices import one_of
+from dtrain.config_rules.choices import at_least, given, one_of
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,28 +40,22 @@ def check(config: Config) -> None:
             f"--shard-size sets the shard groups of --strategy hsdp, which --strategy "
             f"{config.strategy} does not use; use --strategy hsdp, or drop --shard-size."
         )
-    degrees = [("--pp", config.pp), ("--tp", config.tp), ("--dp", config.dp)]
-    given = [flag for flag, value in degrees if value is not None] + pipeline_flags(config)
-    if config.dp_mode != "ddp":
-        given.append("--dp-mode")
-    if given and config.strategy not in MODEL_PARALLEL:
+    flags = given(config, "pp", "tp", "dp") + pipeline_flags(config) + given(config, "dp_mode")
+    if flags and config.strategy not in MODEL_PARALLEL:
         raise ConfigError(
-            f"{', '.join(given)} shape model parallelism, which --strategy "
+            f"{', '.join(flags)} shape model parallelism, which --strategy "
             f"{config.strategy} does not do; use --strategy pipeline, tensor or hybrid, "
-            f"or drop {', '.join(given)}."
+            f"or drop {', '.join(flags)}."
         )
-    for flag, value in degrees:
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}.")
+    for flag, value in (("--pp", config.pp), ("--tp", config.tp), ("--dp", config.dp)):
+        at_least(flag, value)
     one_of("--schedule", config.schedule, SCHEDULES)
     one_of("--dp-mode", config.dp_mode, DP_MODES)
-    if config.microbatches is not None and config.microbatches < 1:
-        raise ConfigError(f"--microbatches must be at least 1, got {config.microbatches}.")
+    at_least("--microbatches", config.microbatches)
     if config.virtual_stages is not None:
         if config.schedule != "interleaved":
             raise ConfigError(
                 "--virtual-stages places several stages on each pipeline rank, which only "
                 "--schedule interleaved runs; add it, or drop --virtual-stages."
             )
-        if config.virtual_stages < 2:
-            raise ConfigError(f"--virtual-stages must be at least 2, got {config.virtual_stages}.")
+        at_least("--virtual-stages", config.virtual_stages, 2)

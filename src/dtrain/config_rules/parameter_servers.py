@@ -6,31 +6,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtrain.command_names import PS_MODES
+from dtrain.config_rules.choices import given
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from dtrain.config import Config
 
 
-def _given(config: Config) -> list[str]:
-    """The parameter-server flags `config` sets away from their defaults."""
-    return [
-        flag
-        for flag, value in (
-            ("--servers", config.servers != 1),
-            ("--ps-mode", config.ps_mode != "sync"),
-            ("--staleness", config.staleness is not None),
-            ("--backup-workers", config.backup_workers != 0),
-            ("--staleness-aware-lr", config.staleness_lr),
-        )
-        if value
-    ]
-
-
 def check(config: Config) -> None:
     """Raise ConfigError for parameter-server options outside --strategy ps, or that
     contradict one another."""
-    flags = _given(config)
+    flags = given(config, "servers", "ps_mode", "staleness", "backup_workers", "staleness_lr")
     if flags and config.strategy != "ps":
         raise ConfigError(
             f"{', '.join(flags)} configure parameter servers, which --strategy "

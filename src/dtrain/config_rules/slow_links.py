@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 from dtrain.command_names import OUTER_OPTIMIZERS
-from dtrain.config_rules.choices import one_of
+from dtrain.config_rules.choices import given, one_of
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -71,21 +71,12 @@ def check(config: Config) -> None:
 
 
 def _check_local_sgd(config: Config) -> None:
-    given = [
-        flag
-        for flag, value in (
-            ("--sync-every", config.sync_every is not None),
-            ("--outer-optimizer", config.outer_optimizer != "none"),
-            ("--outer-lr", config.outer_lr is not None),
-            ("--outer-momentum", config.outer_momentum is not None),
-        )
-        if value
-    ]
-    if given and config.strategy != "local-sgd":
+    flags = given(config, "sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
+    if flags and config.strategy != "local-sgd":
         raise ConfigError(
-            f"{', '.join(given)}: options of the syncs of --strategy local-sgd, which "
+            f"{', '.join(flags)}: options of the syncs of --strategy local-sgd, which "
             f"--strategy {config.strategy} does not run; use --strategy local-sgd, or drop "
-            f"{', '.join(given)}."
+            f"{', '.join(flags)}."
         )
     if config.sync_every is not None and config.sync_every < 1:
         raise ConfigError(
@@ -93,7 +84,7 @@ def _check_local_sgd(config: Config) -> None:
             f"{config.sync_every}."
         )
     one_of("--outer-optimizer", config.outer_optimizer, OUTER_OPTIMIZERS)
-    outer = [flag for flag in given if flag in ("--outer-lr", "--outer-momentum")]
+    outer = given(config, "outer_lr", "outer_momentum")
     if outer and config.outer_optimizer == "none":
         raise ConfigError(
             f"{', '.join(outer)}: options of DiLoCo's outer optimizer, which plain "

@@ -53,8 +53,6 @@ class StrategySpec:
     it runs in one process (`--nproc` must be 1)."""
     supports_sync_batchnorm: bool = False
     """True if --sync-batchnorm can normalise over its data-parallel processes."""
-    supports_cpu_offload: bool = False
-    """True if it shards the whole model state, which --cpu-offload can move."""
     exchange_in_step: bool = False
     """True if the optimizer step is the gradient exchange (parameter servers): the step
     breakdown counts it as communication."""
@@ -121,8 +119,8 @@ class StrategySpec:
             )
 
     def offloads(self, config: Config) -> bool:
-        """True if `config` shards the model state so that --cpu-offload can move it."""
-        return self.supports_cpu_offload
+        """True if `config` shards the whole model state, which --cpu-offload can move."""
+        return False
 
 
 def tower_count(config: Config) -> int:
@@ -147,6 +145,8 @@ def tower_count(config: Config) -> int:
 class TowersSpec(StrategySpec):
     """`towers`: one process cuts each batch over its replicas."""
 
+    runtime_class: str = "dtrain.strategies.towers:Towers"
+
     def batch_layout(self, config: Config) -> tuple[int, int]:
         return 1, tower_count(config)
 
@@ -154,6 +154,9 @@ class TowersSpec(StrategySpec):
 @dataclass(frozen=True, kw_only=True)
 class LocalSGDSpec(StrategySpec):
     """`local-sgd`: replicas exchange nothing between syncs."""
+
+    runtime_class: str = "dtrain.strategies.local_sgd:LocalSGD"
+    multiprocess: bool = True
 
     def check_options(self, config: Config) -> None:
         if config.sync_batchnorm:
@@ -191,6 +194,9 @@ class MeshSpec(StrategySpec):
             return "ddp"
         return "zero3" if self.reshard_after_forward else "zero2"
 
+    def offloads(self, config: Config) -> bool:
+        return self.dp_mode(config) == "zero3"
+
     def batch_layout(self, config: Config) -> tuple[int, int]:
         degrees = self.layout(config, config.nproc * config.nnodes)
         splits = microbatches(config, degrees.pp) if degrees.pp_enabled else 1
@@ -225,9 +231,6 @@ class ModelParallelSpec(MeshSpec):
 
     def dp_mode(self, config: Config) -> str:
         return config.dp_mode
-
-    def offloads(self, config: Config) -> bool:
-        return config.dp_mode == "zero3"
 
     def layout(self, config: Config, world_size: int) -> Degrees:
         degrees = degrees_for(
@@ -271,6 +274,11 @@ NO_BACKUP_CLIPPING = (
 class ParameterServerSpec(StrategySpec):
     """`ps`: on each machine `--nproc` workers run the script and the servers' ranks
     serve (strategies/ps/roles.py says which rank is which)."""
+
+    runtime_class: str = "dtrain.strategies.ps.strategy:ParameterServer"
+    multiprocess: bool = True
+    supports_sync_batchnorm: bool = True
+    exchange_in_step: bool = True  # the step commits the gradients and waits for the update
 
     def processes_per_node(self, config: Config) -> int:
         return Roles.of(config).per_node
@@ -353,18 +361,11 @@ def lookup(name: str) -> StrategySpec:
 
 # `single`: one process, one device; the reference every other strategy must match.
 register(StrategySpec(name="single", runtime_class="dtrain.strategies.base:Strategy", order=0))
-register(TowersSpec(name="towers", runtime_class="dtrain.strategies.towers:Towers", order=10))
+register(TowersSpec(name="towers", order=10))
 # ddp: DistributedDataParallel, gradients averaged by bucketed ring all-reduce overlapped
 # with backward (Li et al., VLDB 2020); dp_replicate = world size.
 register(MeshSpec(name="ddp", order=20))
-register(
-    LocalSGDSpec(
-        name="local-sgd",
-        runtime_class="dtrain.strategies.local_sgd:LocalSGD",
-        order=25,
-        multiprocess=True,
-    )
-)
+register(LocalSGDSpec(name="local-sgd", order=25))
 # ZeRO (Rajbhandari et al., SC'20). Stage 1: DDP plus ZeroRedundancyOptimizer (optimizer
 # state sharded). Stage 2 also shards gradients, stage 3 parameters too, with FSDP2
 # `fully_shard` over dp_shard = world size: reshard_after_forward=False keeps a block's
@@ -372,29 +373,12 @@ register(
 # (stage 3, 1.5x the traffic of DDP). Per rank, fp32 Adam, psi parameters: stage 1 holds
 # 8 psi + 8 psi / N, stage 2 4 psi + 12 psi / N, stage 3 16 psi / N between steps.
 register(MeshSpec(name="zero1", runtime_class="dtrain.strategies.zero1:Zero1", order=30))
-register(
-    ParameterServerSpec(
-        name="ps",
-        runtime_class="dtrain.strategies.ps.strategy:ParameterServer",
-        order=30,
-        multiprocess=True,
-        supports_sync_batchnorm=True,
-        exchange_in_step=True,  # the step commits the gradients and waits for the update
-    )
-)
+register(ParameterServerSpec(name="ps", order=30))
 register(MeshSpec(name="zero2", order=31, reshard_after_forward=False))
-register(
-    MeshSpec(
-        name="zero3",
-        aliases=("fsdp",),
-        order=32,
-        reshard_after_forward=True,
-        supports_cpu_offload=True,
-    )
-)
+register(MeshSpec(name="zero3", aliases=("fsdp",), order=32, reshard_after_forward=True))
 # Hybrid sharded data parallel: shards talk over the fast links inside a machine (gathers,
 # reduce-scatters); across machines only the gradient all-reduce of each shard goes.
-register(HSDPSpec(name="hsdp", order=33, reshard_after_forward=True, supports_cpu_offload=True))
+register(HSDPSpec(name="hsdp", order=33, reshard_after_forward=True))
 # Model parallelism: pipeline (--pp P stages under a torch.distributed.pipelining schedule
 # over --microbatches M) and tensor (--tp T, each layer's matrices split by the model's
 # plan, Megatron-style) have no data-parallel ranks to normalise over; hybrid combines
