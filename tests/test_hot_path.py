@@ -1,5 +1,6 @@
 """The step never waits for the device: the loss is read back every --log-every steps
-(and before checkpoints), and a non-finite loss is still caught and named."""
+(and before checkpoints), and a non-finite loss is still caught and named. And a reader
+follows one step through at most six of dtrain's files (tests/step_files.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from step_files import MOST_FILES, step_files, too_many
 from training import finish
 
 import dtrain
@@ -65,23 +67,70 @@ def test_single_reads_the_loss_once_per_log_interval() -> None:
     assert count_reads("single", clip_grad_norm=0.5) == STEPS // 10  # the norm stays put
 
 
-def two_process_reads() -> dict[str, int]:
-    """`count_reads` under ddp, then under zero3 clipping, in one process group."""
-    return {"ddp": count_reads("ddp", close=False), "zero3": count_reads("zero3", 10, 0.5)}
+TWO_PROCESS_STEPS: dict[str, dict[str, Any]] = {
+    "ddp": {},
+    "zero1": {},
+    "zero2": {},
+    "zero3": {},
+    "hsdp": {"shard_size": 2},
+    "local-sgd": {},
+    "tensor": {"gpt": True},
+    "pipeline": {"gpt": True, "microbatches": 2},
+}
+"""The strategies whose `step_files` the two-process job measures, with their options."""
+
+
+def two_process_reads() -> dict[str, Any]:
+    """`count_reads` under ddp, then under zero3 clipping, then `step_files` under each
+    of TWO_PROCESS_STEPS, in one process group."""
+    return {
+        "ddp": count_reads("ddp", close=False),
+        "zero3": count_reads("zero3", 10, 0.5, close=False),
+        "files": {
+            name: step_files(close=i == len(TWO_PROCESS_STEPS) - 1, strategy=name, **options)
+            for i, (name, options) in enumerate(TWO_PROCESS_STEPS.items())
+        },
+    }
 
 
 @pytest.fixture(scope="module")
-def two_processes() -> list[dict[str, int]]:
+def two_processes() -> list[dict[str, Any]]:
     """`two_process_reads()` by rank."""
-    return run_ranks(two_process_reads, 2)
+    return run_ranks(two_process_reads, 2, timeout=180)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_two_processes_read_the_loss_once_per_log_interval(
-    strategy: str, two_processes: list[dict[str, int]]
+    strategy: str, two_processes: list[dict[str, Any]]
 ) -> None:
     assert [reads[strategy] for reads in two_processes] == [STEPS // 10] * 2
+
+
+def test_one_step_opens_at_most_six_files_in_one_process() -> None:
+    for strategy in ("single", "towers"):
+        found = step_files(strategy=strategy)
+        assert found.keys() == {"train_step", "hand"}
+        assert not too_many(strategy, found), (strategy, found)
+    # The counter sees past the dispatcher only what it must: single's own step.
+    assert step_files()["train_step"] == [
+        "batches.py",
+        "engine.py",
+        "observe/events.py",
+        "strategies/base.py",
+    ]
+
+
+@pytest.mark.timeout(200)
+def test_one_step_opens_at_most_six_files_under_each_multi_process_strategy(
+    two_processes: list[dict[str, Any]],
+) -> None:
+    for rank, result in enumerate(two_processes):
+        for strategy, found in result["files"].items():
+            assert not too_many(strategy, found), (
+                f"rank {rank}, {strategy}: more than {MOST_FILES} files (the exceptions in "
+                f"tests/step_files.py aside): {found}"
+            )
 
 
 def nan_at_step_three(tmp: Path) -> tuple[str, bool]:

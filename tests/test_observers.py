@@ -1,5 +1,6 @@
-"""The Engine's step events: an observer added to its list sees them in order, and a step
-that raises still ends its step (the pair is fired in try/finally)."""
+"""The Engine's step events: an observer added to its list (`dtrain.Observer`, public)
+sees them in order, and a step that raises still ends its step (the pair is fired in
+try/finally)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import dtrain
+from dtrain import End, Observer, Run
 from dtrain.batches import batch_size
 from dtrain.models import DigitsMLP
-from dtrain.observe.events import End, Observer, Run
 
 pytestmark = pytest.mark.quick
 
@@ -25,6 +26,8 @@ class Recorder(Observer):
     def __init__(self) -> None:
         self.events: list[tuple[Any, ...]] = []
         self.results: dict[str, Any] = {}
+        self.grads = 0
+        """Gradients accumulated since the last micro-batch or backward ended."""
 
     def on_setup(self, run: Run) -> None:
         self.events.append(("setup", type(run.optimizer).__name__))
@@ -35,14 +38,31 @@ class Recorder(Observer):
     def on_micro_start(self, batch: Any) -> None:
         self.events.append(("micro", batch_size(batch)))
 
+    def on_forward_start(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        args, kwargs = call
+        self.events.append(("forward", batch_size(args)))
+
+    def on_forward_end(self) -> None:
+        self.events.append(("loss",))
+
+    def on_grad_ready(self) -> None:
+        self.grads += 1
+
     def on_micro_end(self) -> None:
-        self.events.append(("micro end",))
+        self.events.append(("micro end", self.grads))
+        self.grads = 0
 
     def on_gradients(self, step: int, loss: torch.Tensor) -> None:
         self.events.append(("gradients", step, loss.dim()))
 
     def on_grad_norm(self, norm: torch.Tensor) -> None:
         self.events.append(("norm",))
+
+    def on_optimizer_start(self) -> None:
+        self.events.append(("optimizer",))
+
+    def on_optimizer_end(self, step: int) -> None:
+        self.events.append(("optimizer end", step))
 
     def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
         self.events.append(("end", step, "failed" if loss is None else "ok"))
@@ -51,7 +71,8 @@ class Recorder(Observer):
         self.events.append(("backward", step))
 
     def on_backward_end(self) -> None:
-        self.events.append(("backward end",))
+        self.events.append(("backward end", self.grads))
+        self.grads = 0
 
     def on_loop_step(self, step: int) -> None:
         self.events.append(("loop step", step))
@@ -98,13 +119,15 @@ def test_an_observer_sees_the_events_in_order_and_a_failed_step_still_ends(
         "optimizer": size,  # SGD's momentum buffers
     }
 
-    # A hand-written step: its optimizer step is the loop's, not a train_step's (the
-    # failed step above closed its pair).
-    engine.backward(F.cross_entropy(wrapped(x), y))
-    optimizer.step()
-    optimizer.zero_grad()
+    # Hand-written steps: their optimizer steps are the loop's, not a train_step's (the
+    # failed step above closed its pair); from the first backward on, the forwards too.
+    for _ in range(2):
+        engine.backward(F.cross_entropy(wrapped(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
     engine.close()
 
+    params = len(list(model.parameters()))
     assert recorder.events == [
         ("setup", "SGD"),
         ("start", 1),
@@ -112,21 +135,33 @@ def test_an_observer_sees_the_events_in_order_and_a_failed_step_still_ends(
         ("end", 1, "failed"),
         ("start", 1),
         ("micro", 2),
-        ("micro end",),
+        ("loss",),
+        ("micro end", params),
         ("micro", 2),
-        ("micro end",),
+        ("loss",),
+        ("micro end", params),
         ("gradients", 1, 0),
         ("norm",),
+        ("optimizer",),
+        ("optimizer end", 1),
         ("end", 1, "ok"),
         ("backward", 2),
-        ("backward end",),
+        ("backward end", params),
+        ("optimizer",),
+        ("optimizer end", 2),
         ("loop step", 2),
-        ("close", 2, True),
+        ("forward", 4),
+        ("backward", 3),
+        ("backward end", params),
+        ("optimizer",),
+        ("optimizer end", 3),
+        ("loop step", 3),
+        ("close", 3, True),
     ]
     # The observers before it filled the results; the metrics JSON holds the same.
     written = json.loads(metrics.read_text())
     assert recorder.results["global_batch_size"] == written["global_batch_size"] == 4
-    assert written["steps"] == 2 and written["memory"] == [dict(engine.memory, rank=0)]
+    assert written["steps"] == 3 and written["memory"] == [dict(engine.memory, rank=0)]
     assert written["train_loss"] == recorder.results["train_loss"]
     said = capsys.readouterr().out
-    assert "dtrain: model state per rank" in said and "dtrain: 2 steps" in said
+    assert "dtrain: model state per rank" in said and "dtrain: 3 steps" in said

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from conftest import run_cli
 from distributed import run_ranks
+from step_files import step_files, too_many
 from torch.testing import assert_close
 from training import train
 
@@ -92,19 +93,28 @@ rounds otherwise than one sum, and Adam turns that into steps of its learning ra
 a gradient is near zero.)"""
 
 
+def train_or_count(close: bool, count_files: bool = False, **options: Any) -> Any:
+    """`train` under `options`, or with `count_files` the worker's `step_files`."""
+    if count_files:
+        return step_files(close=close, **options)
+    return train(close=close, **options)
+
+
 @pytest.fixture(scope="module")
 def three_and_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Path]:
     """One job of 3 workers and 2 servers running, in turn: 10 steps saved at the end;
-    10 steps by hand from single's checkpoint after 10 steps; `SCHEDULED`. Returns worker
-    0's parameters of each run and the folder of both checkpoints."""
+    10 steps by hand from single's checkpoint after 10 steps; `SCHEDULED`; the files a
+    worker's step opens. Returns worker 0's parameters of each run (its files for the
+    last) and the folder of both checkpoints."""
     root = tmp_path_factory.mktemp("ps")
     train(steps=10, strategy="single", checkpoint_out=str(root / "single-10"))
     runs = [
         {"checkpoint_out": str(root / "ps-10")},
         {"steps": 10, "checkpoint_in": str(root / "single-10"), "manual": True},
         SCHEDULED,
+        {"count_files": True, "gpt": True},
     ]
-    results = run_ranks(ps_runs, 5, train, runs, 3, 2, timeout=140)
+    results = run_ranks(ps_runs, 5, train_or_count, runs, 3, 2, timeout=140)
     assert results[3:] == [SERVER] * 2
     return results[0], root
 
@@ -115,6 +125,15 @@ def test_sync_ps_matches_single_with_three_workers_and_two_servers(
 ) -> None:
     """Two workers and one server: the habits matrix (tests/test_habits.py)."""
     assert_close(three_and_two[0][0], reference)
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_step_opens_the_files_of_the_parameter_server_client_only(
+    three_and_two: tuple[list[Any], Path],
+) -> None:
+    found = three_and_two[0][3]
+    assert found.keys() == {"train_step", "hand"}
+    assert not too_many("ps", found), found
 
 
 @pytest.mark.timeout(120)
@@ -133,7 +152,7 @@ def test_checkpoints_cross_between_ps_and_single(three_and_two: tuple[list[Any],
     """ps (3 workers, 2 servers) saves after 10 steps; single continues from it; then ps
     (steps by hand) continues from a single checkpoint: both equal 20 uninterrupted single
     steps, so parameters and momentum crossed over intact."""
-    (_, from_single, _), root = three_and_two
+    (_, from_single, *_), root = three_and_two
     twenty = train(steps=20, strategy="single")
     manifest = json.loads((root / "ps-10" / "manifest.json").read_text())
     assert (manifest["strategy"], manifest["world_size"], manifest["step"]) == ("ps", 5, 10)

@@ -27,6 +27,7 @@ from dtrain.errors import (
 if TYPE_CHECKING:
     from dtrain.engine import Engine
     from dtrain.launch.notebook import launch
+    from dtrain.observe.events import End, Observer, Run
     from dtrain.shard_files import ShardFiles
     from dtrain.shard_write import write_shards
     from dtrain.start import init
@@ -35,7 +36,10 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "End": ("dtrain.observe.events", "End"),
     "Engine": ("dtrain.engine", "Engine"),
+    "Observer": ("dtrain.observe.events", "Observer"),
+    "Run": ("dtrain.observe.events", "Run"),
     "ShardFiles": ("dtrain.shard_files", "ShardFiles"),
     "available_strategies": ("dtrain.strategies.specs", "available"),
     "init": ("dtrain.start", "init"),
@@ -72,9 +76,12 @@ __all__ = [
     "Config",
     "ConfigError",
     "DtrainError",
+    "End",
     "Engine",
     "LaunchError",
     "NonFiniteLossError",
+    "Observer",
+    "Run",
     "SetupError",
     "ShardFiles",
     "available_strategies",

@@ -5,10 +5,14 @@ scatters the states) and the run's :class:`Position` (which it saves and restore
 nothing else of the Engine. ``checkpoint_format`` picks the layout written: consolidated
 (the main rank writes the whole model in one safetensors file) or sharded (every rank
 writes its part with torch.distributed.checkpoint); both load under any strategy.
+
+The Engine's own methods of the same names are :class:`CheckpointSide`'s, a base class
+of the Engine that checks the losses before a checkpoint is written or left.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +39,9 @@ from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
 from dtrain.collectives import gather_objects, gather_to_main, rank_in
 from dtrain.errors import CheckpointError
-from dtrain.observe.events import Observer, Run
+from dtrain.observe.events import Observer, Observers, Run
 from dtrain.observe.logs import LOGGER
+from dtrain.observe.loss_reads import LossReads
 from dtrain.parallel.compression import powersgd_of
 from dtrain.position import Position
 from dtrain.precision import LossScaling
@@ -356,3 +361,59 @@ class Checkpoints(Observer):
             )
             LOGGER.warning(message)
             self.print(f"dtrain: warning: {message}")
+
+
+class CheckpointSide:
+    """The Engine's checkpoint methods (a base class of the Engine, which sets the
+    attributes below): the losses since the last read are checked before a checkpoint
+    is written or left, and the observers are told of a load."""
+
+    checkpoints: Checkpoints
+    position: Position
+    observers: Observers
+    _loss: LossReads
+    _require_setup: Callable[[str], None]
+    """The Engine's refusal of a call before `engine.setup`."""
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model under canonical names on the CPU, on the main rank (None on the
+        others). Collective: every rank must call it (sharded strategies gather)."""
+        self._require_setup("engine.state_dict")
+        return self.checkpoints.state_dict()
+
+    def save(
+        self,
+        path: str | Path,
+        epoch: int | None = None,
+        extra: dict[str, Any] | None = None,
+        keep: int | None = None,
+    ) -> None:
+        """Write a checkpoint directory at `path` (collective; see :class:`Checkpoints`).
+
+        Args:
+            path: the checkpoint directory; replaced atomically if it exists.
+            epoch: the epoch to record (default: the one `progress` is in).
+            extra: more manifest fields (JSON values).
+            keep: once it is complete, delete all but the newest `keep` checkpoints
+                beside it.
+        """
+        self._require_setup("engine.save")
+        self._loss.flush()  # a non-finite loss must never reach a checkpoint
+        self.checkpoints.save(path, epoch, extra, keep)
+
+    def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
+        """Load a checkpoint written under any strategy and world size, or a plain
+        PyTorch / safetensors file; return its manifest (see :meth:`Checkpoints.load`)."""
+        self._require_setup("engine.load")
+        self._loss.flush()  # the steps before the load are checked before they are left
+        manifest = self.checkpoints.load(path, strict)
+        self.observers.on_resume(self.position.step)
+        return manifest
+
+    def resume(self, root: str | Path) -> dict[str, Any] | None:
+        """Load the newest intact checkpoint under `root`; None if there is none."""
+        self._require_setup("engine.resume")
+        manifest = self.checkpoints.resume(root)
+        if manifest is not None:
+            self.observers.on_resume(self.position.step)
+        return manifest

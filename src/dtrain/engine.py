@@ -3,52 +3,43 @@
 The training loop is written once against the Engine; the strategy behind it decides how
 the model is wrapped and how gradients are synchronised. Loop mechanics that every
 strategy shares (moving batches, micro-batching, loss checks, stepping, counting) live
-here, so strategies only say what differs.
+here, so strategies only say what differs. What the Engine answers without training
+(`dtrain.job_view`), its data methods (`dtrain.feeding`) and its checkpoint methods
+(`dtrain.checkpointing`) are its base classes, each in its own module; what it is built
+from and how it is taken apart, `dtrain.assembly`.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import gc
-import os
 import weakref
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
+from dtrain.assembly import banner, loss_scaling, release, watchers
 from dtrain.batches import LossFn, batch_size, split, to_device
-from dtrain.checkpointing import Checkpoints
-from dtrain.collectives import barrier
+from dtrain.checkpointing import CheckpointSide
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, ConfigError, SetupError
 from dtrain.evaluation import evaluation_sums, shortfall
-from dtrain.feeding import Feeder
-from dtrain.observe.events import End, Observers, Run
-from dtrain.observe.logs import LOGGER, log_to_file
-from dtrain.observe.loss_reads import LossReads
-from dtrain.observe.memory import MemoryReport
+from dtrain.feeding import DataSide, Feeder
+from dtrain.job_view import JobView
+from dtrain.observe.events import End, Run
+from dtrain.observe.logs import LOGGER
 from dtrain.observe.progress import Throughput
-from dtrain.observe.run_report import RunReport
-from dtrain.observe.summary import RunSummary
-from dtrain.observe.timing import RunTiming
 from dtrain.optimizers import check_split, train_step_refusal
 from dtrain.parallel import materialize
 from dtrain.position import Position
-from dtrain.precision import LossScaling
-from dtrain.rng import drawn_seed
-from dtrain.strategies.base import Strategy
-from dtrain.streams import is_stream
+from dtrain.strategies.base import Handover, Strategy
 from dtrain.teardown import close_at_exit, forget
 from dtrain.topology import Topology
 
 
-class Engine:
+class Engine(JobView, DataSide, CheckpointSide):
     """One process's handle on the job. Build it with :func:`dtrain.init`."""
 
     def __init__(self, config: Config, topology: Topology, strategy: Strategy) -> None:
@@ -61,106 +52,26 @@ class Engine:
         self.throughput = Throughput()
         self._closed = False
         close_at_exit(self)
-        self.loss_scaling: LossScaling | None = None
+        self.loss_scaling = loss_scaling(config, strategy)
         """fp16-mixed's loss scale and its count of skipped steps (None otherwise)."""
-        if config.precision == "fp16-mixed":
-            distributed = strategy.spec.multiprocess and dist.is_initialized()
-            self.loss_scaling = LossScaling(
-                strategy.placement.input_device, strategy.placement.train_group, distributed
-            )
-        self.checkpoints = Checkpoints(strategy, self.position, self.loss_scaling)
+        p, position, throughput = strategy.placement, self.position, self.throughput
         self._feeder = Feeder(
-            strategy.placement.dp_size,
-            strategy.placement.dp_rank,
-            strategy.placement.input_device,
-            self.position,
-            self.throughput,
-            self.print,
-            topology.is_main,
+            p.dp_size, p.dp_rank, p.input_device, position, throughput, self.print, self.is_main
         )
-        self.report = RunReport(config, topology.is_main)
+        watched = watchers(config, topology, strategy, position, throughput, self.loss_scaling)
+        self.checkpoints = watched.checkpoints
+        self.report = watched.report
         """The metric logs (--logger) and the results JSON (--metrics-json)."""
-        self.timing = RunTiming(
-            config, topology.device, topology.is_main, strategy.spec.exchange_in_step
-        )
+        self.timing = watched.timing
         """Where each step's time goes (the breakdown, diagnosis and trace)."""
-        self._loss = LossReads(config.log_every, self.report, self.throughput, self.timing.timer)
-        self._memory = MemoryReport(config.memory_report, topology.rank, topology.is_main)
-        # The strategy marks the end of each micro-batch's forward and scales its loss.
-        strategy.timer, strategy.loss_scaling = self.timing.timer, self.loss_scaling
-        summary = RunSummary(
-            config,
-            self.report,
-            self.throughput,
-            self.position,
-            self.timing,
-            self.loss_scaling,
-            strategy.placement.dp_size,
-            topology.is_main,
-        )
-        self.observers = Observers(
-            [self.checkpoints, self.report, self._loss, self.timing, self._memory, summary]
-        )
+        self.observers = watched.observers
         """What watches the steps, told each step event in this order (see
         `dtrain.observe.events`); append an `Observer` to watch them too."""
+        self._loss, self._memory = watched.loss, watched.memory
         self._step_refusal: SetupError | None = None
         """Why train_step cannot step the optimizer (one that needs a closure), if so."""
         self._empty_rng: torch.Tensor | None = None
         """The CPU random state when `init_empty` was last entered."""
-
-    # -- where training stands ------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken (restored by `load`)."""
-        return self.position.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.position.step = value
-
-    @property
-    def epoch(self) -> int:
-        """The epoch `progress` is in (restored by `load`)."""
-        return self.position.epoch
-
-    @property
-    def seed(self) -> int | None:
-        """The seed given to `dtrain.init` (``--seed S``, ``seed=S``), which seeded every
-        generator on every rank and which `dataloader` shuffles with; None without one
-        (`dataloader` then draws each shuffle's seed from torch's generator, as
-        ``DataLoader(shuffle=True)`` does)."""
-        return self.config.seed
-
-    @property
-    def restart_count(self) -> int:
-        """How many times the launcher has restarted the group (0 on the first attempt)."""
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-    # -- who am I -------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        """Global rank of this process."""
-        return self.topology.rank
-
-    @property
-    def world_size(self) -> int:
-        """Processes in the job."""
-        return self.topology.world_size
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0, which prints and writes checkpoints."""
-        return self.topology.is_main
-
-    @property
-    def device(self) -> torch.device:
-        """Where batches go before the model sees them."""
-        return self.strategy.placement.input_device
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel processes: the global batch is the per-worker batch times this."""
-        return self.strategy.placement.dp_size
 
     @property
     def module(self) -> nn.Module:
@@ -168,15 +79,6 @@ class Engine:
         callable); under a pipeline only this rank's layers in it are trained."""
         self._require_setup("engine.module")
         return self.strategy.user_model()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on the main rank only."""
-        if self.is_main:
-            builtins.print(*args, **kwargs, flush=True)
-
-    def log_to(self, directory: str | Path) -> Path:
-        """Write this rank's log to ``directory/rank{R}.log``; return its path."""
-        return log_to_file(Path(directory), self.rank)
 
     # -- setup ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -211,36 +113,24 @@ class Engine:
             self._step_refusal = train_step_refusal(optimizer)
         kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
         rng = self._empty_rng if self._empty_rng is not None else torch.get_rng_state()
-        self.strategy.deferred = materialize.prepare(
-            model, rng, self.strategy.placement.places_parts, self.topology.device
-        )
-        self.model, optimizer = self.strategy.setup(model, optimizer)
+        places = self.strategy.placement.places_parts
+        deferred = materialize.prepare(model, rng, places, self.topology.device)
+        handover = Handover(self.observers.on_forward_end, self.loss_scaling, deferred)
+        self.model, optimizer = self.strategy.setup(model, optimizer, handover)
         self.optimizer = optimizer
         if optimizer is not None:
-            # Before the observers' own hooks: a step is counted before it is timed.
+            # Counts the step, then tells the observers (the dispatcher hooks its start).
             optimizer.register_step_post_hook(self._count_step)
             if self.loss_scaling is not None:
                 self.loss_scaling.wrap_step(optimizer, self._skipped_step)
-        strategy = self.strategy
+        placement = self.strategy.placement
+        module = self.strategy.unwrap()
         self.observers.on_setup(
-            Run(
-                strategy.unwrap(),
-                self.model,
-                optimizer,
-                strategy.placement.train_group,
-                strategy.placement.lockstep,
-            )
+            Run(module, self.model, optimizer, placement.train_group, placement.lockstep)
         )
-        layout = self.strategy.placement.layout_text
-        lrs = sorted({g["lr"] for g in optimizer.param_groups}) if optimizer else []
-        banner = (
-            f"dtrain: strategy {self.strategy.name}, {self.world_size} process(es)"
-            + (f" ({layout})" if layout else "")
-            + f", device {self.device.type}"
-            + (f", {kind} lr {', '.join(f'{lr:g}' for lr in lrs)}" if lrs else "")
-        )
-        LOGGER.info(banner)
-        self.print(banner)
+        said = banner(self.strategy, self.world_size, optimizer, kind)
+        LOGGER.info(said)
+        self.print(said)
         return self.model, optimizer
 
     def _count_step(self, *_: Any) -> None:
@@ -268,85 +158,11 @@ class Engine:
                 f"{what} was used before engine.setup(model, optimizer); call setup first."
             )
 
-    # -- data -----------------------------------------------------------------------------
-    def dataloader(
-        self,
-        dataset: Dataset,
-        batch_size: int | None = None,
-        shuffle: bool | None = None,
-        drop_last: bool = True,
-        *,
-        global_batch_size: int | None = None,
-        **loader_kwargs: Any,
-    ) -> DataLoader:
-        """A loader giving this worker its share of each global batch.
-
-        Args:
-            dataset: a map-style dataset of (input, target) samples, or a stream (an
-                IterableDataset): its i-th sample of an epoch goes to global batch i // B
-                and to worker (i % B) // b (b = B / dp_size); each worker, and each of its
-                DataLoader workers, reads the whole stream and keeps its own batches, so
-                every sample is trained once, whatever the number of workers (see
-                `dtrain.streams`). Or a `dtrain.ShardFiles`: shard files in P partitions,
-                global batch t taking B/P samples of each partition's seeded order, so that
-                a worker opens only the files of its own partitions (see
-                `dtrain.shard_files`). After `load`, `progress` skips the trained samples.
-            batch_size: samples per worker per step; the global batch is this times
-                `engine.dp_size`.
-            global_batch_size: instead of `batch_size`, the samples of one step over all
-                workers (it must divide evenly over `engine.dp_size`).
-            shuffle: one shuffle per epoch, shared by all workers, seeded by ``--seed``;
-                without one, by a seed drawn from torch's generator now (rank 0's draw: a
-                collective over the training processes), so that a script seeded before
-                this call shuffles alike in every run, as with ``DataLoader(shuffle=True)``.
-                Default: True for a map-style dataset; a stream is read in its own order
-                (shuffle=True on one is refused: shuffle the stream itself, by epoch).
-            drop_last: drop the epoch's last incomplete global batch (keep True for
-                training; use False for evaluation, where every sample is seen once and a
-                worker without a share of the last batch has one batch fewer).
-            loader_kwargs: passed to `torch.utils.data.DataLoader` (num_workers, ...).
-        """
-        if shuffle is None:
-            shuffle = not is_stream(dataset)
-        seed = self.config.seed
-        if seed is None:
-            seed = drawn_seed(self.strategy.placement.train_group) if shuffle else 0
-        return self._feeder.loader(
-            dataset,
-            batch_size,
-            global_batch_size,
-            shuffle,
-            drop_last,
-            seed=seed,
-            collective_forward=self.strategy.placement.collective_forward,
-            **loader_kwargs,
-        )
-
-    def progress(
-        self, loader: DataLoader, epoch: int = 0, desc: str | None = None
-    ) -> Iterator[Any]:
-        """Iterate `loader` for `epoch`, with a progress bar on the main rank.
-
-        Selects the epoch's shuffle, and after `load` skips what the checkpoint had
-        already trained (whole epochs, then the batches of the epoch it stopped in). The
-        loader's workers and pinning feed the end-of-run advice on a data-bound step.
-        """
-        self.timing.reads_from(loader, self.topology.local_world_size)
-        yield from self._feeder.epoch(
-            loader,
-            epoch,
-            desc or f"epoch {epoch}",
-            loss=lambda: self._loss.last,
-            waited=self.timing.timer.data_wait,
-            # the epoch's last steps, read before anything is saved and the bar closes
-            finish=self._loss.flush,
-        )
-
     # -- training -------------------------------------------------------------------------
     def to_device(self, batch: Any) -> Any:
         """Move a batch (tensors, or any nesting of tuples, lists and dicts of them) to
         `engine.device`."""
-        return to_device(batch, self.device)
+        return to_device(batch, self.strategy.placement.input_device)
 
     def train_step(self, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """Forward, backward, gradient sync, clipping and optimizer step on one batch.
@@ -367,7 +183,7 @@ class Engine:
             raise SetupError("engine.train_step needs an optimizer; pass it to engine.setup.")
         if self._step_refusal is not None:
             raise self._step_refusal
-        step = self.step + 1
+        step = self.position.step + 1
         loss = None
         self.observers.on_step_start(step)
         try:
@@ -480,10 +296,11 @@ class Engine:
         `setup` returned starts a step's micro-batch, and this call ends its forward).
         Under fp16-mixed the loss is multiplied by the loss scale first."""
         self._require_setup("engine.backward")
-        self.observers.on_backward_start(self.step + 1, loss)
+        self.observers.on_backward_start(self.position.step + 1, loss)
         if self.loss_scaling is not None:
             self.loss_scaling.backward()
-        self.strategy.backward(self.strategy.scaled(loss))
+            loss = self.loss_scaling.scale(loss)
+        self.strategy.backward(loss)
         self.observers.on_backward_end()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -525,63 +342,7 @@ class Engine:
         self.report.log({f"eval/{k}": v for k, v in result.items()}, self.step)
         return result
 
-    # -- checkpoints ----------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model under canonical names on the CPU, on the main rank (None on the
-        others). Collective: every rank must call it (sharded strategies gather)."""
-        self._require_setup("engine.state_dict")
-        return self.checkpoints.state_dict()
-
-    def save(
-        self,
-        path: str | Path,
-        epoch: int | None = None,
-        extra: dict[str, Any] | None = None,
-        keep: int | None = None,
-    ) -> None:
-        """Write a checkpoint directory at `path` (collective; see :class:`Checkpoints`).
-
-        Args:
-            path: the checkpoint directory; replaced atomically if it exists.
-            epoch: the epoch to record (default: the one `progress` is in).
-            extra: more manifest fields (JSON values).
-            keep: once it is complete, delete all but the newest `keep` checkpoints
-                beside it.
-        """
-        self._require_setup("engine.save")
-        self._loss.flush()  # a non-finite loss must never reach a checkpoint
-        self.checkpoints.save(path, epoch, extra, keep)
-
-    def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
-        """Load a checkpoint written under any strategy and world size, or a plain
-        PyTorch / safetensors file; return its manifest (see :meth:`Checkpoints.load`)."""
-        self._require_setup("engine.load")
-        self._loss.flush()  # the steps before the load are checked before they are left
-        manifest = self.checkpoints.load(path, strict)
-        self.observers.on_resume(self.step)
-        return manifest
-
-    def resume(self, root: str | Path) -> dict[str, Any] | None:
-        """Load the newest intact checkpoint under `root`; None if there is none."""
-        self._require_setup("engine.resume")
-        manifest = self.checkpoints.resume(root)
-        if manifest is not None:
-            self.observers.on_resume(self.step)
-        return manifest
-
-    # -- collectives and teardown ---------------------------------------------------------
-    def barrier(self) -> None:
-        """Wait for every process of the training loop (no-op in a one-process job)."""
-        barrier(self.strategy.placement.train_group)
-
-    def all_reduce_mean(self, value: float) -> float:
-        """The mean of `value` over the data-parallel processes."""
-        if not (self.strategy.spec.multiprocess and dist.is_initialized()):
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.topology.device)
-        dist.all_reduce(t, group=self.strategy.placement.dp_group)
-        return t.item() / dist.get_world_size(self.strategy.placement.dp_group)
-
+    # -- teardown -------------------------------------------------------------------------
     def close(self, *, failed: bool = False) -> None:
         """Print where the time went, release the strategy's wrappers, then leave the
         process group (once; done at exit if the script does not call it). `failed`: the
@@ -618,10 +379,7 @@ class Engine:
         )
         wrapped = weakref.ref(self.model) if self.model is not None else None
         self.model = None
-        self.strategy.close()
-        gc.collect()
-        if dist.is_initialized() and (wrapped is None or wrapped() is None):
-            dist.destroy_process_group()
+        release(self.strategy, wrapped)
         if save_error is not None:
             raise save_error
 

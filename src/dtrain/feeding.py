@@ -11,13 +11,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from dtrain.config import Config
 from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
 from dtrain.observe.logs import LOGGER
+from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.progress import Throughput, track
+from dtrain.observe.timing import RunTiming
 from dtrain.position import Position
+from dtrain.rng import drawn_seed
 from dtrain.shard_files import ShardFiles
 from dtrain.shard_share import shard_share
+from dtrain.strategies.base import Strategy
 from dtrain.streams import StreamShare, as_is, is_stream, stream_share
+from dtrain.topology import Topology
 
 
 class Feeder:
@@ -173,6 +179,92 @@ class Feeder:
         self._warned_unsharded = True
         LOGGER.warning(message)
         self.say(message)
+
+
+class DataSide:
+    """The Engine's data methods (a base class of the Engine, which sets the attributes
+    below): loaders of each worker's share, and epochs with a progress bar."""
+
+    config: Config
+    topology: Topology
+    strategy: Strategy
+    timing: RunTiming
+    _feeder: Feeder
+    _loss: LossReads
+
+    def dataloader(
+        self,
+        dataset: Dataset,
+        batch_size: int | None = None,
+        shuffle: bool | None = None,
+        drop_last: bool = True,
+        *,
+        global_batch_size: int | None = None,
+        **loader_kwargs: Any,
+    ) -> DataLoader:
+        """A loader giving this worker its share of each global batch.
+
+        Args:
+            dataset: a map-style dataset of (input, target) samples, or a stream (an
+                IterableDataset): its i-th sample of an epoch goes to global batch i // B
+                and to worker (i % B) // b (b = B / dp_size); each worker, and each of its
+                DataLoader workers, reads the whole stream and keeps its own batches, so
+                every sample is trained once, whatever the number of workers (see
+                `dtrain.streams`). Or a `dtrain.ShardFiles`: shard files in P partitions,
+                global batch t taking B/P samples of each partition's seeded order, so that
+                a worker opens only the files of its own partitions (see
+                `dtrain.shard_files`). After `load`, `progress` skips the trained samples.
+            batch_size: samples per worker per step; the global batch is this times
+                `engine.dp_size`.
+            global_batch_size: instead of `batch_size`, the samples of one step over all
+                workers (it must divide evenly over `engine.dp_size`).
+            shuffle: one shuffle per epoch, shared by all workers, seeded by ``--seed``;
+                without one, by a seed drawn from torch's generator now (rank 0's draw: a
+                collective over the training processes), so that a script seeded before
+                this call shuffles alike in every run, as with ``DataLoader(shuffle=True)``.
+                Default: True for a map-style dataset; a stream is read in its own order
+                (shuffle=True on one is refused: shuffle the stream itself, by epoch).
+            drop_last: drop the epoch's last incomplete global batch (keep True for
+                training; use False for evaluation, where every sample is seen once and a
+                worker without a share of the last batch has one batch fewer).
+            loader_kwargs: passed to `torch.utils.data.DataLoader` (num_workers, ...).
+        """
+        placement = self.strategy.placement
+        if shuffle is None:
+            shuffle = not is_stream(dataset)
+        seed = self.config.seed
+        if seed is None:
+            seed = drawn_seed(placement.train_group) if shuffle else 0
+        return self._feeder.loader(
+            dataset,
+            batch_size,
+            global_batch_size,
+            shuffle,
+            drop_last,
+            seed,
+            placement.collective_forward,
+            **loader_kwargs,
+        )
+
+    def progress(
+        self, loader: DataLoader, epoch: int = 0, desc: str | None = None
+    ) -> Iterator[Any]:
+        """Iterate `loader` for `epoch`, with a progress bar on the main rank.
+
+        Selects the epoch's shuffle, and after `load` skips what the checkpoint had
+        already trained (whole epochs, then the batches of the epoch it stopped in). The
+        loader's workers and pinning feed the end-of-run advice on a data-bound step.
+        """
+        self.timing.reads_from(loader, self.topology.local_world_size)
+        yield from self._feeder.epoch(
+            loader,
+            epoch,
+            desc or f"epoch {epoch}",
+            loss=lambda: self._loss.last,
+            waited=self.timing.timer.data_wait,
+            # the epoch's last steps, read before anything is saved and the bar closes
+            finish=self._loss.flush,
+        )
 
 
 def loader_defaults(loader_kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:

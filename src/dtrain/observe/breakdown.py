@@ -16,7 +16,7 @@ Marks come from `dtrain.observe.clock` (CUDA events on a GPU), so nothing here m
 host wait for the device; marks are turned into seconds when the Engine reads the loss
 back anyway. A hand-written loop (its own forward, `engine.backward` and
 ``optimizer.step()``) has steps from one optimizer step to the next, cut alike: its forward
-runs from the call of the model to `engine.backward` (see `RunTiming.watch_forwards`).
+runs from the call of the model to `engine.backward` (see `RunTiming.on_forward_start`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from torch import nn
 
 from dtrain.observe.clock import HostClock, Mark
 
@@ -95,13 +93,9 @@ class StepTimer:
         self._micro: _Micro | None = None
 
     # -- marks (the hot path: no host synchronisation) ----------------------------------
-    def watch(self, module: nn.Module) -> None:
-        """Mark "last gradient ready" from every trainable parameter of `module`."""
-        for p in module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    def _grad_ready(self, _: object) -> None:
+    def grad_ready(self) -> None:
+        """A parameter's gradient is ready: the last call of a micro-batch marks its
+        "last gradient ready"."""
         micro = self._micro
         if micro is not None:
             micro.grad = self.clock.mark(micro.grad)

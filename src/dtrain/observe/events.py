@@ -11,14 +11,25 @@ reads' business, every few steps).
 One `train_step` fires, in order::
 
     on_step_start(step)
-      (on_micro_start(batch), on_micro_end()) for each micro-batch
+      for each micro-batch:
+        on_micro_start(batch)
+          on_forward_end()                      the strategy's forward computed the loss
+          on_grad_ready()                       as each parameter's gradient is accumulated
+        on_micro_end()
       on_gradients(step, loss)
       [on_grad_norm(norm)]                      with --clip-grad-norm
+      on_optimizer_start(), on_optimizer_end(step)   around the optimizer's step
     on_step_end(step, loss)                     always: loss None when the step raised
 
 A hand-written loop fires ``on_backward_start(step, loss)`` / ``on_backward_end()``
-around each `engine.backward`, and ``on_loop_step(step)`` after each optimizer step it
-takes itself (not `train_step`'s).
+around each `engine.backward` (with ``on_grad_ready()`` in between), the optimizer pair
+around each ``optimizer.step()`` it takes itself, then ``on_loop_step(step)``; once its
+first backward has shown there is such a loop, each call of the model fires
+``on_forward_start(call)`` first.
+
+The dispatcher, `Observers`, is what torch calls back: it hooks the optimizer's step,
+the parameters' gradients and the model's forward once, at setup, and tells the
+observers; an observer registers no hook of its own on the step's path.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,18 @@ class Observer:
     def on_micro_start(self, batch: Any) -> None:
         """A micro-batch (on the device) goes into the strategy's forward and backward."""
 
+    def on_forward_start(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        """A hand-written loop called the model (`call`: its positional and keyword
+        arguments), with gradients enabled or not; fired from the loop's first
+        `engine.backward` on, before the model's own hooks."""
+
+    def on_forward_end(self) -> None:
+        """`train_step`'s micro-batch has its loss: its backward starts."""
+
+    def on_grad_ready(self) -> None:
+        """A parameter's gradient was accumulated (in backward, once per parameter: keep it
+        cheap)."""
+
     def on_micro_end(self) -> None:
         """The micro-batch's backward (with its gradient synchronisation) returned."""
 
@@ -90,6 +114,12 @@ class Observer:
 
     def on_grad_norm(self, norm: torch.Tensor) -> None:
         """The gradients were clipped; `norm` is their norm before it, on the device."""
+
+    def on_optimizer_start(self) -> None:
+        """The optimizer's step starts (`train_step`'s or a hand-written loop's)."""
+
+    def on_optimizer_end(self, step: int) -> None:
+        """The optimizer's step made step `step` (counted already)."""
 
     def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
         """`train_step`'s step `step` is over: `loss` as in `on_gradients`, or None when the
@@ -102,7 +132,8 @@ class Observer:
         """A hand-written loop's backward returned."""
 
     def on_loop_step(self, step: int) -> None:
-        """A hand-written loop's optimizer step made step `step` (counted already)."""
+        """A hand-written loop's optimizer step made step `step` (after
+        `on_optimizer_end`)."""
 
     def on_resume(self, step: int) -> None:
         """A checkpoint was loaded: training goes on after step `step`."""
@@ -121,15 +152,31 @@ class Observers:
     """
 
     def __init__(self, observers: list[Observer]) -> None:
-        self._observers = list(observers)
+        self._observers: list[Observer] = []
+        self._gradient_watchers: list[Observer] = []
+        """Those that override `on_grad_ready`, told once per parameter: only they are."""
+        for o in observers:
+            self.append(o)
         self._in_step = False
         """Between a `train_step`'s on_step_start and on_step_end."""
+        self._model: torch.nn.Module | None = None
+        self._forwards: RemovableHandle | None = None
 
     def append(self, observer: Observer) -> None:
         """Tell `observer` every event from now on, after the others."""
         self._observers.append(observer)
+        if type(observer).on_grad_ready is not Observer.on_grad_ready:
+            self._gradient_watchers.append(observer)
 
     def on_setup(self, run: Run) -> None:
+        """Hook the optimizer's step and every trainable parameter's gradient of
+        `run.module`, then tell the observers."""
+        self._model = run.model
+        for p in run.module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        if run.optimizer is not None:
+            run.optimizer.register_step_pre_hook(self._optimizer_start)
         for o in self._observers:
             o.on_setup(run)
 
@@ -141,6 +188,14 @@ class Observers:
     def on_micro_start(self, batch: Any) -> None:
         for o in self._observers:
             o.on_micro_start(batch)
+
+    def on_forward_end(self) -> None:
+        for o in self._observers:
+            o.on_forward_end()
+
+    def _grad_ready(self, _: torch.Tensor) -> None:
+        for o in self._gradient_watchers:
+            o.on_grad_ready()
 
     def on_micro_end(self) -> None:
         for o in self._observers:
@@ -154,6 +209,20 @@ class Observers:
         for o in self._observers:
             o.on_grad_norm(norm)
 
+    def _optimizer_start(self, *_: Any) -> None:
+        for o in self._observers:
+            o.on_optimizer_start()
+
+    def on_optimizer_step(self, step: int) -> None:
+        """An optimizer step made step `step`: `on_optimizer_end`, then `on_loop_step`
+        unless it is `train_step`'s own."""
+        for o in self._observers:
+            o.on_optimizer_end(step)
+        if self._in_step:
+            return
+        for o in self._observers:
+            o.on_loop_step(step)
+
     def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
         self._in_step = False
         for o in self._observers:
@@ -164,16 +233,19 @@ class Observers:
             o.on_backward_start(step, loss)
 
     def on_backward_end(self) -> None:
+        """A hand-written loop's backward returned: from now on each call of the model
+        fires `on_forward_start` first (prepended to the model's own hooks, so that the
+        gathering of sharded parameters comes after it)."""
+        if self._forwards is None and self._model is not None:
+            self._forwards = self._model.register_forward_pre_hook(
+                self._forward_start, with_kwargs=True, prepend=True
+            )
         for o in self._observers:
             o.on_backward_end()
 
-    def on_optimizer_step(self, step: int) -> None:
-        """An optimizer step made step `step`: a hand-written loop's (`on_loop_step`)
-        unless it is `train_step`'s own, whose events are its step's."""
-        if self._in_step:
-            return
+    def _forward_start(self, _: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         for o in self._observers:
-            o.on_loop_step(step)
+            o.on_forward_start((args, kwargs))
 
     def on_resume(self, step: int) -> None:
         for o in self._observers:

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from dtrain.batches import batch_size
 from dtrain.collectives import barrier, gather_objects
@@ -62,13 +60,8 @@ class RunTiming(Observer):
         """Samples one device computes per micro-batch, once a step has run."""
         self.reading: Reading | None = None
         """How the loader the loop trains from reads (`reads_from`), for the data advice."""
-        self._forwards: RemovableHandle | None = None
         self._forward_samples = 0
         self._group: dist.ProcessGroup | None = None
-        self._model: nn.Module | None = None
-        """The module the loop calls, whose forwards a hand-written loop's steps time."""
-        self._in_step = False
-        """Inside `train_step` (between its step events)."""
 
     def reads_from(self, loader: Any, local_processes: int) -> None:
         """Note how `loader` (a DataLoader the loop trains from) reads, on a machine that
@@ -81,37 +74,23 @@ class RunTiming(Observer):
 
     # -- the step events --------------------------------------------------------------
     def on_setup(self, run: Run) -> None:
-        """Align the ranks' clocks (a barrier over the training processes) and hook the
-        marks into the module's gradients and the optimizer's step. An optimizer step
-        outside `train_step` (which opens its steps itself) is a hand-written loop's, whose
-        steps run from one optimizer step to the next."""
+        """Align the ranks' clocks (a barrier over the training processes)."""
         self._group = run.group
-        self._model = run.model
         barrier(run.group)
         self.timer.clock.restart()
-        self.timer.watch(run.module)
-        if run.optimizer is None:
-            return
-        timer = self.timer
-
-        def before(*_: Any) -> None:
-            timer.optimizer_mark()
-
-        def after(*_: Any) -> None:
-            timer.optimizer_mark()
-            if not self._in_step:
-                timer.begin_step(-1)
-
-        run.optimizer.register_step_pre_hook(before)
-        run.optimizer.register_step_post_hook(after)
 
     def on_step_start(self, step: int) -> None:
-        self._in_step = True
         self.timer.begin_step(step)
 
     def on_micro_start(self, batch: Any) -> None:
         self.per_device_batch = batch_size(batch)
         self.timer.begin_micro()
+
+    def on_forward_end(self) -> None:
+        self.timer.forward_done()
+
+    def on_grad_ready(self) -> None:
+        self.timer.grad_ready()
 
     def on_micro_end(self) -> None:
         self.timer.end_micro()
@@ -119,39 +98,37 @@ class RunTiming(Observer):
     def on_gradients(self, step: int, loss: torch.Tensor) -> None:
         self.timer.optimizer_mark()  # clipping and the optimizer's step
 
-    def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
-        self._in_step = False
+    def on_optimizer_start(self) -> None:
+        self.timer.optimizer_mark()
+
+    def on_optimizer_end(self, step: int) -> None:
+        self.timer.optimizer_mark()
 
     def on_backward_start(self, step: int, loss: torch.Tensor) -> None:
         self.timer.forward_done()
 
     def on_backward_end(self) -> None:
         self.timer.end_micro()
-        if self._model is not None:
-            self.watch_forwards(self._model)
+
+    def on_loop_step(self, step: int) -> None:
+        # A hand-written loop's steps run from one optimizer step to the next.
+        self.timer.begin_step(-1)
 
     def on_close(self, end: End) -> None:
         if end.together:  # the gather needs every rank
             end.results.update(self.finish(self._group, self.is_main))
 
-    def watch_forwards(self, model: nn.Module) -> None:
-        """Time the forwards of a hand-written loop, once `engine.backward` shows there is
-        one: from now on each call of `model` (the module the loop calls) with gradients
-        enabled opens a micro-batch, unless one is open (`train_step`'s own, or an earlier
-        call before the same backward), and counts its samples; `engine.backward` closes
-        it. So a hand step's forward runs from the call of the model (before any hook of
-        its own, so that gathering sharded parameters counts, as in `train_step`) to
-        `engine.backward`, the loss included. Idempotent."""
-        if self._forwards is None:
-            self._forwards = model.register_forward_pre_hook(
-                self._forward_called, with_kwargs=True, prepend=True
-            )
-
-    def _forward_called(self, _: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def on_forward_start(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        """Time the forwards of a hand-written loop: each call of the model with gradients
+        enabled opens a micro-batch, unless one is open (an earlier call before the same
+        backward), and counts its samples; `engine.backward` closes it. So a hand step's
+        forward runs from the call of the model (before any hook of its own, so that
+        gathering sharded parameters counts, as in `train_step`) to `engine.backward`, the
+        loss included."""
         if not torch.is_grad_enabled() or self.timer.in_micro:
             return  # an evaluation, or a forward inside an open micro-batch
         self.timer.begin_micro()
-        samples = _samples((args, kwargs))
+        samples = _samples(call)
         if samples:
             self.per_device_batch = samples
             self._forward_samples += samples

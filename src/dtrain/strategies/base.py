@@ -8,7 +8,8 @@ mechanics that are the same for all of them (micro-batching, loss checks, steppi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,6 @@ from torch.optim import Optimizer
 
 from dtrain.batches import LossFn, forward_loss
 from dtrain.config import Config
-from dtrain.observe.breakdown import StepTimer
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
@@ -27,6 +27,27 @@ from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.placement import replicas
 from dtrain.strategies.specs import lookup
 from dtrain.topology import Topology
+
+
+def _nothing() -> None:
+    """Told nothing: a strategy set up without an Engine's observers."""
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What the Engine hands its strategy once, with `Strategy.setup`.
+
+    Args:
+        forward_done: tells the Engine's observers that a micro-batch's forward computed
+            its loss (`Observers.on_forward_end`).
+        loss_scaling: fp16-mixed's loss scale, applied to each loss; None otherwise.
+        deferred: how to initialise the part this rank holds, when the model was built on
+            the meta device and `placement.places_parts`; None otherwise.
+    """
+
+    forward_done: Callable[[], None] = _nothing
+    loss_scaling: LossScaling | None = None
+    deferred: DeferredInit | None = None
 
 
 class Strategy(CheckpointState):
@@ -46,13 +67,9 @@ class Strategy(CheckpointState):
         self.topology = topology
         self.spec = lookup(config.strategy)
         self.model: nn.Module | None = None
-        self.timer: StepTimer | None = None
-        """The Engine's step timer, told when the forward of a micro-batch is done."""
-        self.loss_scaling: LossScaling | None = None
-        """The Engine's loss scale under --precision fp16-mixed, applied to each loss."""
-        self.deferred: DeferredInit | None = None
-        """Set by the Engine before `setup` when the model was built on the meta device
-        and `placement.places_parts`: how to initialise the part this rank holds."""
+        self.handover = Handover()
+        """What the Engine handed over with `setup`."""
+        self._compute_dtype = compute_dtype(config.precision)
         self.placement = replicas(topology, self.spec.multiprocess)
         """Where the work runs (strategies/placement.py); a subclass's `__init__` replaces
         the fields that differ."""
@@ -63,14 +80,16 @@ class Strategy(CheckpointState):
         return self.spec.name
 
     def setup(
-        self, model: nn.Module, optimizer: Optimizer | None
+        self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
     ) -> tuple[nn.Module, Optimizer | None]:
         """Place and wrap `model`; return (module the loop calls, optimizer the loop steps).
 
         `optimizer` was built on ``model.parameters()``; a strategy may return another
         optimizer (a sharded one, or one rebuilt on new parameters) in its place. A model
         passed in compiled is unwrapped and, as with --compile, compiled block by block.
+        A subclass that does not call this one keeps `handover` itself.
         """
+        self.handover = handover
         model, compiled = unwrap_compiled(model)
         self.model = model.to(self.topology.device)
         c = self.config
@@ -100,7 +119,7 @@ class Strategy(CheckpointState):
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """bf16 or fp16 autocast for --precision bf16-mixed or fp16-mixed, unless the
         strategy's wrappers apply the precision themselves (FSDP's mixed-precision policy)."""
-        dtype = compute_dtype(self.config.precision)
+        dtype = self._compute_dtype
         if dtype is None or self.placement.handles_precision:
             return contextlib.nullcontext()
         return torch.autocast(self.topology.device.type, dtype=dtype)
@@ -117,14 +136,11 @@ class Strategy(CheckpointState):
         """
         with self.autocast():
             _, loss = forward_loss(self.model, batch, loss_fn)  # type: ignore[arg-type]
-        if self.timer is not None:
-            self.timer.forward_done()
-        self.backward(self.scaled(loss if scale == 1 else loss * scale))
+        self.handover.forward_done()
+        scaling = self.handover.loss_scaling
+        weighted = loss if scale == 1 else loss * scale
+        self.backward(weighted if scaling is None else scaling.scale(weighted))
         return loss.detach()
-
-    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` times the fp16-mixed loss scale (unchanged under other precisions)."""
-        return loss if self.loss_scaling is None else self.loss_scaling.scale(loss)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and make the gradients ready for the optimizer."""

@@ -40,7 +40,7 @@ from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.parallel.unused import UnusedWatch
-from dtrain.strategies.base import Strategy
+from dtrain.strategies.base import Handover, Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.placement import Placement
 from dtrain.strategies.rebuild import group_names, repoint
@@ -60,6 +60,8 @@ class MeshStrategy(Strategy):
         self.dp_mode = spec.dp_mode(config)
         """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
         self.mesh = parallel_mesh(self.degrees, topology.device.type)
+        self.pipelined = self.degrees.pp_enabled
+        """A pipeline's schedule runs forward and backward (a value: read every step)."""
         self.placement = self._placement()
         self.parts: Parallelized | None = None
         self._whole: dict[str, torch.Size] = {}
@@ -113,10 +115,6 @@ class MeshStrategy(Strategy):
         """The schedule over this rank's stages, under a pipeline."""
         return self.parts.pipeline if self.parts is not None else None
 
-    @property
-    def pipelined(self) -> bool:
-        return self.degrees.pp_enabled
-
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """As every strategy does; a weight tied across pipeline stages counts once in the
         norm (its copies hold the same summed gradient) and every copy is scaled."""
@@ -134,11 +132,12 @@ class MeshStrategy(Strategy):
 
     # -- setup ----------------------------------------------------------------------------
     def setup(
-        self, model: nn.Module, optimizer: Optimizer | None
+        self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
     ) -> tuple[nn.Module, Optimizer | None]:
         """Start every rank from rank 0's model, then parallelise it (see
         `dtrain.parallel.parallelize`); a model passed in compiled is unwrapped first and
         compiled block by block after tensor parallelism."""
+        self.handover = handover
         model, compiled = unwrap_compiled(model)
         if self.shard is not None and not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
@@ -168,8 +167,8 @@ class MeshStrategy(Strategy):
             compile=self.config.compile or compiled,
         )
         self.model = self.parts.model
-        if self.deferred is not None:  # built on the meta device: this rank's part, placed
-            self.deferred.initialise(model)
+        if handover.deferred is not None:  # built on the meta device: this rank's part, placed
+            handover.deferred.initialise(model)
         hooks.register(self.parts.local)
         if d.tp_enabled and not d.dp_enabled:
             # Layers the plan does not split keep plain tensors beside the DTensors; a
@@ -218,10 +217,10 @@ class MeshStrategy(Strategy):
             )
         inputs, targets = batch
         with self.autocast():
-            loss = pipeline.step(inputs, targets, loss_fn, self.loss_scaling)
-        if self.degrees.dp_enabled:
+            loss = pipeline.step(inputs, targets, loss_fn, self.handover.loss_scaling)
+        if (replicas := self.placement.dp_size) > 1:
             dist.all_reduce(loss, group=self.placement.dp_group)
-            loss = loss / self.degrees.dp
+            loss = loss / replicas
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -1,0 +1,96 @@
+"""How an Engine is put together around its strategy, and taken apart: fp16-mixed's loss
+scale, the observers that watch its run (built once, in the order they are told each
+event), the line `engine.setup` says, and the end of `engine.close`."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.checkpointing import Checkpoints
+from dtrain.config import Config
+from dtrain.observe.events import Observers
+from dtrain.observe.loss_reads import LossReads
+from dtrain.observe.memory import MemoryReport
+from dtrain.observe.progress import Throughput
+from dtrain.observe.run_report import RunReport
+from dtrain.observe.summary import RunSummary
+from dtrain.observe.timing import RunTiming
+from dtrain.position import Position
+from dtrain.precision import LossScaling
+from dtrain.strategies.base import Strategy
+from dtrain.topology import Topology
+
+
+def loss_scaling(config: Config, strategy: Strategy) -> LossScaling | None:
+    """fp16-mixed's loss scale over the processes that train together; None under the
+    other precisions."""
+    if config.precision != "fp16-mixed":
+        return None
+    distributed = strategy.spec.multiprocess and dist.is_initialized()
+    placement = strategy.placement
+    return LossScaling(placement.input_device, placement.train_group, distributed)
+
+
+@dataclass(frozen=True)
+class Watchers:
+    """The Engine's observers, and the list that tells them each event (`observers`)."""
+
+    checkpoints: Checkpoints
+    report: RunReport
+    timing: RunTiming
+    loss: LossReads
+    memory: MemoryReport
+    observers: Observers
+
+
+def watchers(
+    config: Config,
+    topology: Topology,
+    strategy: Strategy,
+    position: Position,
+    throughput: Throughput,
+    scaling: LossScaling | None,
+) -> Watchers:
+    """The observers of one Engine, in the order `Observers` explains."""
+    checkpoints = Checkpoints(strategy, position, scaling)
+    report = RunReport(config, topology.is_main)
+    timing = RunTiming(config, topology.device, topology.is_main, strategy.spec.exchange_in_step)
+    loss = LossReads(config.log_every, report, throughput, timing.timer)
+    memory = MemoryReport(config.memory_report, topology.rank, topology.is_main)
+    dp_size = strategy.placement.dp_size
+    summary = RunSummary(
+        config, report, throughput, position, timing, scaling, dp_size, topology.is_main
+    )
+    observers = Observers([checkpoints, report, loss, timing, memory, summary])
+    return Watchers(checkpoints, report, timing, loss, memory, observers)
+
+
+def banner(
+    strategy: Strategy, world_size: int, optimizer: torch.optim.Optimizer | None, kind: str
+) -> str:
+    """The line `engine.setup` says: the strategy, its layout, the device and the
+    optimizer (`kind`: the user's class, whatever the strategy returned)."""
+    layout = strategy.placement.layout_text
+    lrs = sorted({g["lr"] for g in optimizer.param_groups}) if optimizer else []
+    return (
+        f"dtrain: strategy {strategy.name}, {world_size} process(es)"
+        + (f" ({layout})" if layout else "")
+        + f", device {strategy.placement.input_device.type}"
+        + (f", {kind} lr {', '.join(f'{lr:g}' for lr in lrs)}" if lrs else "")
+    )
+
+
+def release(strategy: Strategy, wrapped: weakref.ref[nn.Module] | None) -> None:
+    """Release the strategy's wrappers, then leave the process group, but only once the
+    wrapped model (`wrapped`, which the caller no longer holds) is gone: destroying the
+    group under a live DDP object can abort the process on gloo."""
+    strategy.close()
+    gc.collect()
+    if dist.is_initialized() and (wrapped is None or wrapped() is None):
+        dist.destroy_process_group()
