@@ -127,6 +127,13 @@ def test_the_public_names_load_torch_on_first_use() -> None:
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
+def test_every_public_name_resolves() -> None:
+    import dtrain
+
+    missing = [name for name in dtrain.__all__ if not hasattr(dtrain, name)]
+    assert not missing, f"dtrain.__all__ names what `import dtrain` cannot give: {missing}"
+
+
 def test_the_light_names_are_the_ones_the_modules_use() -> None:
     assert available() == list(command_names.STRATEGIES)
     aliases = {alias: name for name in available() for alias in lookup(name).aliases}

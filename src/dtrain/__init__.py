@@ -44,7 +44,7 @@ _LAZY = {
     "available_strategies": ("dtrain.strategies.specs", "available"),
     "init": ("dtrain.start", "init"),
     "launch": ("dtrain.launch.notebook", "launch"),
-    "write_shards": ("dtrain.shard_files", "write_shards"),
+    "write_shards": ("dtrain.shard_write", "write_shards"),
 }
 """The public names that import torch, loaded on first use: `dtrain --help` and the
 command line's errors import this package and must answer without torch."""
