@@ -165,3 +165,29 @@ def test_an_observer_sees_the_events_in_order_and_a_failed_step_still_ends(
     assert written["train_loss"] == recorder.results["train_loss"]
     said = capsys.readouterr().out
     assert "dtrain: model state per rank" in said and "dtrain: 3 steps" in said
+
+
+def test_a_step_fp16_mixed_skips_still_pairs_the_optimizer_events() -> None:
+    engine = dtrain.init(seed=0, precision="fp16-mixed")
+    recorder = Recorder()
+    engine.observers.append(recorder)
+    model = DigitsMLP(hidden=4)
+    wrapped, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 64), torch.randint(0, 10, (4,))
+
+    def overflowing(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target) * float("inf")
+
+    engine.train_step((x, y), overflowing)
+    with engine.autocast():
+        loss = overflowing(wrapped(x), y)
+    engine.backward(loss)
+    optimizer.step()
+    assert engine.step == 2 and engine.loss_scaling is not None
+    assert engine.loss_scaling.skipped == 2
+    engine.close()
+
+    optimizer_events = [e for e in recorder.events if e[0].startswith("optimizer")]
+    assert optimizer_events == [
+        ("optimizer",), ("optimizer end", 1), ("optimizer",), ("optimizer end", 2)
+    ]

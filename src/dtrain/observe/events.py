@@ -18,7 +18,9 @@ One `train_step` fires, in order::
         on_micro_end()
       on_gradients(step, loss)
       [on_grad_norm(norm)]                      with --clip-grad-norm
-      on_optimizer_start(), on_optimizer_end(step)   around the optimizer's step
+      on_optimizer_start(), on_optimizer_end(step)   around the optimizer's step (both,
+                                                     back to back, after a step that
+                                                     fp16-mixed skipped)
     on_step_end(step, loss)                     always: loss None when the step raised
 
 A hand-written loop fires ``on_backward_start(step, loss)`` / ``on_backward_end()``
@@ -29,7 +31,8 @@ first backward has shown there is such a loop, each call of the model fires
 
 The dispatcher, `Observers`, is what torch calls back: it hooks the optimizer's step,
 the parameters' gradients and the model's forward once, at setup, and tells the
-observers; an observer registers no hook of its own on the step's path.
+observers; an observer registers no hook of its own on the step's path (the memory
+report's one forward hook, for its one measured step, aside).
 """
 
 from __future__ import annotations
@@ -159,6 +162,8 @@ class Observers:
             self.append(o)
         self._in_step = False
         """Between a `train_step`'s on_step_start and on_step_end."""
+        self._optimizing = False
+        """Between the optimizer's step pre-hook and the step's count."""
         self._model: torch.nn.Module | None = None
         self._forwards: RemovableHandle | None = None
 
@@ -210,12 +215,17 @@ class Observers:
             o.on_grad_norm(norm)
 
     def _optimizer_start(self, *_: Any) -> None:
+        self._optimizing = True
         for o in self._observers:
             o.on_optimizer_start()
 
     def on_optimizer_step(self, step: int) -> None:
         """An optimizer step made step `step`: `on_optimizer_end`, then `on_loop_step`
-        unless it is `train_step`'s own."""
+        unless it is `train_step`'s own. A step fp16-mixed skipped never ran the
+        optimizer's hooks: its `on_optimizer_start` comes here, so that the two pair."""
+        if not self._optimizing:
+            self._optimizer_start()
+        self._optimizing = False
         for o in self._observers:
             o.on_optimizer_end(step)
         if self._in_step:

@@ -82,14 +82,20 @@ class Strategy(CheckpointState):
     def setup(
         self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
     ) -> tuple[nn.Module, Optimizer | None]:
+        """Keep what the Engine hands over, then `wrap` the model (the Engine calls this
+        once; a strategy overrides `wrap`, so that none can lose the handover)."""
+        self.handover = handover
+        return self.wrap(model, optimizer)
+
+    def wrap(
+        self, model: nn.Module, optimizer: Optimizer | None
+    ) -> tuple[nn.Module, Optimizer | None]:
         """Place and wrap `model`; return (module the loop calls, optimizer the loop steps).
 
         `optimizer` was built on ``model.parameters()``; a strategy may return another
         optimizer (a sharded one, or one rebuilt on new parameters) in its place. A model
         passed in compiled is unwrapped and, as with --compile, compiled block by block.
-        A subclass that does not call this one keeps `handover` itself.
         """
-        self.handover = handover
         model, compiled = unwrap_compiled(model)
         self.model = model.to(self.topology.device)
         c = self.config

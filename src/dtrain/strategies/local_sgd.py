@@ -49,7 +49,7 @@ from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.broadcast import broadcast_model
-from dtrain.strategies.base import Handover, Strategy
+from dtrain.strategies.base import Strategy
 from dtrain.topology import Topology
 
 DEFAULT_SYNC_EVERY = 8
@@ -97,12 +97,12 @@ class LocalSGD(Strategy):
         )
 
     # -- setup ----------------------------------------------------------------------------
-    def setup(
-        self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
+    def wrap(
+        self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
         """Start every replica from rank 0's model; sync after every `sync_every`-th step
         of `optimizer` (a post-step hook, so hand-written loops sync too)."""
-        wrapped, optimizer = super().setup(model, optimizer, handover)
+        wrapped, optimizer = super().wrap(model, optimizer)
         module = self.unwrap()
         broadcast_model(module, None, self.topology.device)
         self._params = [p for p in module.parameters() if p.requires_grad]

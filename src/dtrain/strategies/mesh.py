@@ -40,7 +40,7 @@ from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.parallel.unused import UnusedWatch
-from dtrain.strategies.base import Handover, Strategy
+from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.placement import Placement
 from dtrain.strategies.rebuild import group_names, repoint
@@ -131,13 +131,12 @@ class MeshStrategy(Strategy):
         return norm
 
     # -- setup ----------------------------------------------------------------------------
-    def setup(
-        self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
+    def wrap(
+        self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
         """Start every rank from rank 0's model, then parallelise it (see
         `dtrain.parallel.parallelize`); a model passed in compiled is unwrapped first and
         compiled block by block after tensor parallelism."""
-        self.handover = handover
         model, compiled = unwrap_compiled(model)
         if self.shard is not None and not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
@@ -167,8 +166,8 @@ class MeshStrategy(Strategy):
             compile=self.config.compile or compiled,
         )
         self.model = self.parts.model
-        if handover.deferred is not None:  # built on the meta device: this rank's part, placed
-            handover.deferred.initialise(model)
+        if self.handover.deferred is not None:  # built on the meta device: this rank's part, placed
+            self.handover.deferred.initialise(model)
         hooks.register(self.parts.local)
         if d.tp_enabled and not d.dp_enabled:
             # Layers the plan does not split keep plain tensors beside the DTensors; a

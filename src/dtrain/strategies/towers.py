@@ -29,7 +29,7 @@ from dtrain.observe.logs import LOGGER
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
-from dtrain.strategies.base import Handover, Strategy
+from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import tower_count
 from dtrain.topology import Topology, use_gpus
 
@@ -203,10 +203,9 @@ class Towers(Strategy):
             self.placement, input_device=self.param_device, micro_splits=len(self.devices)
         )
 
-    def setup(
-        self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
+    def wrap(
+        self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
-        self.handover = handover
         model, compiled = unwrap_compiled(model)
         _warn_batchnorm(model, len(self.devices))
         self.model = TowerReplicas(model, self.devices, self.param_device)

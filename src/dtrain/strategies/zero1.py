@@ -17,7 +17,6 @@ from torch.optim import Optimizer
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
-from dtrain.strategies.base import Handover
 from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.mesh import MeshStrategy
 from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
@@ -37,14 +36,14 @@ class Zero1(MeshStrategy):
         """ZeroRedundancyOptimizer's state is not a torch optimizer's over `unwrap()`."""
         return False
 
-    def setup(
-        self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
+    def wrap(
+        self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
         if optimizer is None:
             raise SetupError("Strategy zero1 shards the optimizer; pass one to engine.setup.")
         if has_stepped(optimizer):
             raise ConfigError(NOT_FRESH)
-        wrapped, _ = super().setup(model, None, handover)
+        wrapped, _ = super().wrap(model, None)
         # Imported where used: torch.distributed.optim scripts its functional optimizers
         # at import (a third of a second per process) that other strategies never need.
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -31,7 +31,7 @@ from dtrain.parallel.activation_checkpointing import apply_activation_checkpoint
 from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
-from dtrain.strategies.base import Handover, Strategy
+from dtrain.strategies.base import Strategy
 from dtrain.strategies.ps import sharding, state_shards
 from dtrain.strategies.ps.client import Client
 from dtrain.strategies.ps.handshake import Description, handshake
@@ -95,10 +95,9 @@ class ParameterServer(Strategy):
         return False
 
     # -- setup ---------------------------------------------------------------------------
-    def setup(
-        self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
+    def wrap(
+        self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
-        self.handover = handover
         check_optimizer(optimizer)
         assert optimizer is not None
         model, compiled = unwrap_compiled(model)
