@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from dtrain import advice, checkpoint, rng
-from dtrain.checkpoint import rank_states
+from dtrain import advice, checkpoint, own_states, rng
 from dtrain.checkpoint.atomic import clean_leftovers
 from dtrain.checkpoint.directory import problems_of
 from dtrain.checkpoint.flat_optimizer import merge_groups
@@ -33,16 +32,15 @@ from dtrain.checkpoint.format import (
 )
 from dtrain.checkpoint.lazy import LazyTensors
 from dtrain.checkpoint.plain import read_model_state
-from dtrain.checkpoint.sharded import Part, ShardedWriter, local_part
+from dtrain.checkpoint.sharded import ShardedWriter, local_part
 from dtrain.checkpoint.sharded_load import load_sharded
 from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
-from dtrain.collectives import gather_objects, gather_to_main, rank_in
+from dtrain.collectives import gather_objects, rank_in
 from dtrain.errors import CheckpointError
 from dtrain.observe.events import Observer, Observers, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.loss_reads import LossReads
-from dtrain.parallel.compression import powersgd_of
 from dtrain.position import Position
 from dtrain.precision import LossScaling
 from dtrain.strategies.base import Strategy
@@ -139,7 +137,7 @@ class Checkpoints(Observer):
                 checkpoint.prune(path.parent, keep, written=path)
 
         group = self.strategy.placement.train_group
-        own = self._own_state()
+        own = own_states.own_state(self.strategy, self.optimizer)
         if self.strategy.config.checkpoint_format == "sharded":
             part = local_part(self.strategy, self.optimizer)
             everyone = gather_objects((rng.get_state(), part.groups), group)
@@ -149,13 +147,13 @@ class Checkpoints(Observer):
                 "rng_per_rank": [state for state, _ in everyone],
                 "optimizer_groups": merge_groups([groups for _, groups in everyone]),
                 **scaler,
-                **self._own_states(own, part),
+                **own_states.record(self.strategy, own, part),
             }
             self._sharded.save(path, part, trainer, info, committed)
             return
         tensors, optimizer_state = self.strategy.full_state(self.optimizer)
         rng_states = gather_objects(rng.get_state(), group)
-        owns = self._own_states(own, None)
+        owns = own_states.record(self.strategy, own, None)
 
         def write() -> None:
             assert tensors is not None
@@ -171,52 +169,6 @@ class Checkpoints(Observer):
 
         # The other ranks wait for it, and raise its error (a full disk) if it fails.
         decided_by_main(write, group, self.is_main)
-
-    def _own_state(self) -> dict[str, Any] | None:
-        """What this rank trains apart from the others: its replica between syncs
-        (local-sgd) and its PowerSGD error feedback; None, alike on every rank, if
-        neither."""
-        replica = self.strategy.replica_state(self.optimizer)
-        powersgd = powersgd_of(self.strategy.model)
-        if replica is None and powersgd is None:
-            return None
-        return {"replica": replica, "powersgd": powersgd.state_dict() if powersgd else None}
-
-    def _own_states(self, own: dict[str, Any] | None, part: Part | None) -> dict[str, Any]:
-        """The trainer file's record of every rank's `own` state: under a sharded `part`,
-        `own` goes into it as this rank's entry, and every rank takes part in writing it
-        (so no rank holds the others'); a consolidated checkpoint gathers the states to
-        the main rank, which writes them all (collective)."""
-        if own is None:
-            return {}
-        group = self.strategy.placement.train_group
-        me, ranks = rank_in(group)
-        if part is not None:
-            part.state[rank_states.entry_key(me)] = rank_states.as_entry(own)
-            part.alone = False
-            return {rank_states.WRITTEN: ranks}
-        return {rank_states.LISTED: gather_to_main(own, group)}
-
-    def _load_powersgd(self, path: Path, mine: dict[str, Any] | None) -> None:
-        """Continue this rank's PowerSGD state from `mine` (its own state in the
-        checkpoint); where the checkpoint holds none for this job (another world size or
-        PowerSGD rank, or none saved), warn and let PowerSGD start afresh: two whole steps,
-        then compression with no error feedback carried over (another job's errors belong
-        to other ranks' gradients)."""
-        powersgd = powersgd_of(self.strategy.model)
-        if powersgd is None:
-            return
-        mine = mine.get("powersgd") if mine else None
-        ranks = rank_in(self.strategy.placement.train_group)[1]
-        if powersgd.fits(mine):
-            powersgd.load_state_dict(mine)
-            return
-        message = (
-            f"{path} holds no PowerSGD state of {ranks} processes at rank {powersgd.rank}; "
-            "PowerSGD starts afresh (its error feedback restarts from zero)"
-        )
-        LOGGER.warning(message)
-        self.print(f"dtrain: warning: {message}.")
 
     def saved(self, path: str | Path) -> bool:
         """Whether the newest checkpoint beside `path` is `path`, intact (or is being
@@ -337,19 +289,7 @@ class Checkpoints(Observer):
         if rng_states:
             # Same number of processes: every rank continues its own streams; else rank 0's.
             rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
-        mine, first = rank_states.own_and_first(path, trainer, me, ranks)
-        replica = first.get("replica") if first else None
-        if replica is not None and not skipped:
-            # At another number of ranks every replica goes on from the saved model.
-            own = mine["replica"] if mine else None
-            self.strategy.load_replica_state(own, replica, self.optimizer)
-            if own is None and replica.get("since_sync"):
-                self.print(
-                    f"dtrain: note: {path} was saved by replicas between two syncs at another "
-                    f"number of ranks; the {ranks} replicas now start from their mean, as "
-                    "after a sync."
-                )
-        self._load_powersgd(path, mine)
+        own_states.restore(path, trainer, self.strategy, self.optimizer, not skipped, self.print)
         LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
         return manifest
 
