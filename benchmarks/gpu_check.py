@@ -9,8 +9,9 @@ table, not the end of the check. A case passes when it exits 0, its metrics JSON
 finite loss, and that loss matches the case it is compared with (the same model and data
 under `single`, in the same precision) within the case's tolerance: at one process every
 strategy computes the same step, so the losses differ only by the order of reductions.
-Two probes run beside the demos: Horovod's API on NCCL at one process (`horovodrun -np 1`
-over examples/horovod_digits.py), and the memory report against what the allocator saw.
+Probes run beside the demos: Horovod's API on NCCL at one process (`horovodrun -np 1`
+over examples/horovod_digits.py), the memory report against what the allocator saw, and
+(on a GPU) the GPU's utilisation in the metrics, where NVML can be read.
 
 The last lines printed are the table (case, status, loss, difference, samples/s, peak
 memory, seconds); `--out DIR` keeps each case's log and metrics JSON. The exit status is
@@ -241,6 +242,21 @@ def memory_probe(rows: dict[str, Row]) -> Row:
     )
 
 
+def gpu_use_probe(rows: dict[str, Row]) -> Row:
+    """What `watch nvidia-smi` shows, measured by dtrain: the single run's metrics must
+    hold its GPU's utilisation (NVML), where this machine can read it."""
+    from dtrain.observe.gpu_use import nvml_reader
+
+    row = rows.get("single")
+    if row is None or row.status != "ok":
+        return Row("gpu-use", "SKIP", detail="single did not run")
+    if nvml_reader() is None:
+        return Row("gpu-use", "SKIP", detail="NVML unreadable (pip install nvidia-ml-py)")
+    busy = row.metrics.get("gpu_busy_percent") or []
+    ok = bool(busy) and busy[0] is not None and all(0 <= p <= 100 for p in busy[0].values())
+    return Row("gpu-use", "ok" if ok else "FAIL", detail=f"gpu_busy_percent {busy}")
+
+
 def horovod_probe(out: Path, cpu: bool) -> Row:
     """Horovod's API at one process (NCCL on a GPU): examples/horovod_digits.py for one
     epoch under `horovodrun -np 1`, which must end with an accuracy line."""
@@ -327,6 +343,8 @@ def main() -> int:
     extra = []
     if "memory" in wanted and "single" in rows:
         extra.append(memory_probe(rows))
+        if not args.cpu:
+            extra.append(gpu_use_probe(rows))
     if "horovod" in wanted:
         extra.append(horovod_probe(out, args.cpu))
     every = [*rows.values(), *extra]

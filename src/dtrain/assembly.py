@@ -15,6 +15,7 @@ from torch import nn
 from dtrain.checkpointing import Checkpoints
 from dtrain.config import Config
 from dtrain.observe.events import Observers
+from dtrain.observe.gpu_use import GpuUse
 from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.memory import MemoryReport
 from dtrain.observe.progress import Throughput
@@ -67,7 +68,9 @@ def watchers(
     summary = RunSummary(
         config, report, throughput, position, timing, scaling, dp_size, topology.is_main
     )
-    observers = Observers([checkpoints, report, loss, timing, memory, summary])
+    more_flag = "--towers" if strategy.name == "towers" else "--nproc"
+    gpus = GpuUse(strategy.placement.devices, topology.is_main, more_flag)
+    observers = Observers([checkpoints, report, loss, timing, memory, gpus, summary])
     return Watchers(checkpoints, report, timing, loss, memory, observers)
 
 

@@ -24,6 +24,8 @@ class Placement:
 
     input_device: torch.device
     """Where the Engine puts each batch before calling the model."""
+    devices: tuple[torch.device, ...] = ()
+    """The devices this process computes on: its own, or each tower's."""
 
     # -- the data ------------------------------------------------------------------------
     dp_size: int = 1
@@ -70,6 +72,7 @@ def replicas(topology: Topology, multiprocess: bool) -> Placement:
     data-parallel worker taking each step together (one worker if not `multiprocess`)."""
     return Placement(
         input_device=topology.device,
+        devices=(topology.device,),
         dp_size=topology.world_size if multiprocess else 1,
         dp_rank=topology.rank if multiprocess else 0,
         lockstep=multiprocess,

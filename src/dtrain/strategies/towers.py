@@ -197,18 +197,22 @@ class Towers(Strategy):
 
     def __init__(self, config: Config, topology: Topology) -> None:
         super().__init__(config, topology)
-        self.devices, self.param_device = tower_devices(config)
+        devices, self.param_device = tower_devices(config)
         # Batches arrive on the parameter device, where the towers' outputs are gathered.
         self.placement = replace(
-            self.placement, input_device=self.param_device, micro_splits=len(self.devices)
+            self.placement,
+            input_device=self.param_device,
+            devices=tuple(devices),
+            micro_splits=len(devices),
         )
 
     def wrap(
         self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
         model, compiled = unwrap_compiled(model)
-        _warn_batchnorm(model, len(self.devices))
-        self.model = TowerReplicas(model, self.devices, self.param_device)
+        devices = list(self.placement.devices)
+        _warn_batchnorm(model, len(devices))
+        self.model = TowerReplicas(model, devices, self.param_device)
         c = self.config
         for replica in self.model.replicas:
             apply_activation_checkpointing(replica, c.activation_checkpointing, c.blocks)
