@@ -71,6 +71,13 @@ def non_finite_loss() -> str:
     )
 
 
+def unstable_loss() -> str:
+    """What to do about a loss that jumped up while training (a learning rate too high)."""
+    if running() == DEMO:
+        return "Lower the learning rate (--lr)."
+    return f"Lower the learning rate the {_code()} sets, or warm it up over the first steps."
+
+
 def checkpoint_misfit() -> str:
     """What to do about a checkpoint saved by another model."""
     if running() == DEMO:

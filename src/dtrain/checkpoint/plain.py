@@ -1,6 +1,6 @@
 """Plain PyTorch files in and out: what `engine.load` and `dtrain ckpt convert` accept.
 
-The seeds' pain: `nn.DataParallel` code saves ``model.module.state_dict()`` or the
+A long-standing pain: `nn.DataParallel` code saves ``model.module.state_dict()`` or the
 wrapped ``model.state_dict()`` (``module.`` names), DDP code saves
 ``{'epoch', 'state_dict', 'optim_dict'}``, torch.compile adds ``_orig_mod.``; each loads
 only the way it was saved. Here any of them is read (always with ``weights_only=True``:

@@ -1,6 +1,6 @@
 """`distribute` and `shard`: a Keras script data-parallel across the processes of
 ``dtrain run --strategy ddp --nproc N`` (one process per GPU, or N CPU processes; the
-seeds' multi-machine case too, with ``--nnodes``).
+multi-machine case too, with ``--nnodes``).
 
 Each process trains the whole model on its share of every global batch. The model's
 forward runs through PyTorch DistributedDataParallel, whose hooks average the gradients

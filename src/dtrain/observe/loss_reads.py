@@ -1,6 +1,6 @@
 """The Engine's loss reads: the watched loss read back at the log interval (a collective
-under synchronous strategies), the non-finite check, and the training scalars of the
-metric logs written at each read."""
+under synchronous strategies), the non-finite check, the training scalars of the metric
+logs written at each read, and at the end a loss that jumped up named (loss_jump.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import math
 import torch
 import torch.distributed as dist
 
+from dtrain import advice
 from dtrain.errors import NonFiniteLossError
 from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.events import End, Observer, Run
+from dtrain.observe.logs import LOGGER
 from dtrain.observe.loss import LossWatch
+from dtrain.observe.loss_jump import largest_jump
 from dtrain.observe.progress import Throughput
 from dtrain.observe.run_report import RunReport
 
@@ -39,6 +42,9 @@ class LossReads(Observer):
         self.timer = timer
         self.grad_norm: torch.Tensor | None = None
         """The gradient norm before the last clipping (on the device), for the logs."""
+        self.reads: list[tuple[int, float]] = []
+        """(step, loss) of every read, in order: the loss's course over the run."""
+        self._resumed = False
         self._run: Run | None = None
 
     @property
@@ -64,8 +70,25 @@ class LossReads(Observer):
         if step % self.log_every == 0:
             self.read()  # read after its step
 
+    def on_resume(self, step: int) -> None:
+        self._resumed = True
+
     def on_close(self, end: End) -> None:
         end.results["train_loss"] = self.watch.last
+        jump = None if self._resumed else largest_jump(self.reads)
+        if jump is None or not self.report.is_main:
+            return
+        message = jump.message(advice.unstable_loss())
+        LOGGER.warning(message)
+        print(f"dtrain: note: {message}", flush=True)
+        end.results["loss_jump"] = {
+            "from_step": jump.low_step,
+            "from": jump.low,
+            "to_step": jump.high_step,
+            "to": jump.high,
+            "first": jump.first,
+            "message": message,
+        }
 
     def flush(self) -> None:
         """Read the losses recorded since the last read, if any (before a checkpoint is
@@ -89,8 +112,10 @@ class LossReads(Observer):
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
             raise
-        if fresh and loss is not None and self.report.is_main:
-            self._log(loss, watch.last_step, optimizer)
+        if fresh and loss is not None:
+            self.reads.append((watch.last_step, loss))
+            if self.report.is_main:
+                self._log(loss, watch.last_step, optimizer)
         self.timer.collect()  # the read waited for the device: the marks are done
         return loss
 

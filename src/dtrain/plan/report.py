@@ -1,7 +1,7 @@
 """What `dtrain plan` prints: the candidates as JSON or as a table, and the first pick
-explained in the seeds' terms (t1 compute against t2 communication, the per-device
-batch, the bubble, memory), and what the fastest layout that changes the training would
-gain over it."""
+explained in the usual performance model's terms (t1 compute against t2 communication,
+the per-device batch, the bubble, memory), and what the fastest layout that changes the
+training would gain over it."""
 
 from __future__ import annotations
 

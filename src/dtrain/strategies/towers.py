@@ -1,6 +1,6 @@
 """`towers`: one process, N model replicas ("towers") sharing one set of variables.
 
-The seeds' TensorFlow towers, PyTorch `nn.DataParallel` and Keras `multi_gpu_model`: the
+TensorFlow's towers, PyTorch `nn.DataParallel` and Keras `multi_gpu_model`: the
 variables live on a parameter device (the CPU, or the only GPU); each batch is split
 evenly over the towers; every tower runs a replica refreshed from the variables; the
 outputs are gathered on the parameter device, where the loss is computed over the whole

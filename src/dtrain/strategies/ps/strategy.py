@@ -1,6 +1,6 @@
 """`ps`: workers compute gradients, parameter servers hold the parameters and update them.
 
-The seeds' TensorFlow PS architecture on torch.distributed point-to-point messages over
+TensorFlow's parameter-server architecture on torch.distributed point-to-point messages over
 gloo. `--nproc` workers per machine run the user's script and read the data; `--servers
 K` servers in all, K/N on each of the N machines, hold the parameters and optimizer state
 on the CPU (roles.py says which rank is which). The launcher runs what a server rank's
