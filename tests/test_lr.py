@@ -31,3 +31,13 @@ def test_schedule_warms_up_then_decays_to_zero() -> None:
     assert schedule(4) == 1.0
     assert schedule(8) == pytest.approx(0.5)
     assert schedule(12) == pytest.approx(0.0)
+
+
+def test_a_batch_far_above_ten_samples_per_class_is_noted_for_the_demo() -> None:
+    from dtrain.tasks import DIGITS, TEXT
+
+    assert DIGITS.batch_note(64) is None and DIGITS.batch_note(100) is None
+    note = DIGITS.batch_note(512)
+    assert note is not None and "a global batch of 512 is over 10 times the 10 classes" in note
+    assert "raise --epochs, or keep the batch near 100" in note
+    assert TEXT.batch_note(4096) is None  # language modelling has no such rule

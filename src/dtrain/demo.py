@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             else ""
         )
     )
+    note = task.batch_note(args.global_batch_size)
+    if note is not None:
+        engine.print(f"dtrain demo: note: {note}")
     LOGGER.info("args %s", vars(args))
 
     # One final loss everywhere (the progress bar's last value, each rank's log, the table,

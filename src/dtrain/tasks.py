@@ -35,7 +35,8 @@ class Task:
     global_batch_size: int
     lr: float
     optimizer: str
-    classifier: bool
+    classes: int | None
+    """The classes of a classification task; None for language modelling."""
 
     def data(self, model: nn.Module) -> tuple[Dataset, Dataset]:
         """(train, test) data sets fitting `model`."""
@@ -46,13 +47,31 @@ class Task:
     def report(self, result: dict[str, float]) -> dict[str, float | None]:
         """Metrics JSON fields from `engine.evaluate`'s result."""
         loss = result.get("loss")
-        if self.classifier:
+        if self.classes is not None:
             return {"test_loss": loss, "test_accuracy": result.get("accuracy")}
         return {"test_loss": loss, "test_perplexity": math.exp(loss) if loss is not None else None}
 
 
-DIGITS = Task("digits", F.cross_entropy, 12, 64, 0.1, "sgd", classifier=True)
-TEXT = Task("text", lm_loss, 4, 32, 3e-3, "adamw", classifier=False)
+    def batch_note(self, global_batch_size: int) -> str | None:
+        """A note when `global_batch_size` passes the rule of thumb for classes of data of
+        low diversity (about ten samples per class per step); None otherwise."""
+        if self.classes is None or global_batch_size <= BATCH_PER_CLASS * self.classes:
+            return None
+        return (
+            f"a global batch of {global_batch_size} is over {BATCH_PER_CLASS} times the "
+            f"{self.classes} classes of the {self.description}. On data of low diversity a "
+            "batch this large adds little to each step and needs more epochs to reach the "
+            f"same accuracy: raise --epochs, or keep the batch near "
+            f"{BATCH_PER_CLASS * self.classes}."
+        )
+
+
+BATCH_PER_CLASS = 10
+"""The rule of thumb's cap on the global batch, in samples per class, for data of low
+diversity (few distinct samples per class)."""
+
+DIGITS = Task("digits", F.cross_entropy, 12, 64, 0.1, "sgd", classes=10)
+TEXT = Task("text", lm_loss, 4, 32, 3e-3, "adamw", classes=None)
 TASKS = {"cnn": DIGITS, "mlp": DIGITS, "gpt": TEXT}
 
 
