@@ -343,8 +343,8 @@ def main() -> int:
     extra = []
     if "memory" in wanted and "single" in rows:
         extra.append(memory_probe(rows))
-        if not args.cpu:
-            extra.append(gpu_use_probe(rows))
+    if "single" in rows and not args.cpu:
+        extra.append(gpu_use_probe(rows))
     if "horovod" in wanted:
         extra.append(horovod_probe(out, args.cpu))
     every = [*rows.values(), *extra]

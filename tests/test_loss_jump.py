@@ -1,5 +1,6 @@
 """A loss that jumps up while training is named at the end of the run, with what to do
-(lower the learning rate); the noise of a healthy run, and a resumed run, are not."""
+(lower the learning rate); the noise of a healthy run or of fine-tuning, and a resumed
+run, are not."""
 
 from __future__ import annotations
 
@@ -10,40 +11,48 @@ import pytest
 import torch
 
 import dtrain
-from dtrain.observe.loss_jump import largest_jump
+from dtrain.observe.loss_jump import LossCourse
 
 pytestmark = pytest.mark.quick
 
-# The digits demo's loss read every 4 steps (dtrain demo --epochs 4 --log-every 4).
-HEALTHY = [  # --lr 0.1
-    2.30, 2.30, 2.30, 2.26, 2.24, 2.19, 2.13, 1.89, 1.29, 1.08, 0.50, 0.54,
-    0.45, 0.45, 0.25, 0.18, 0.14, 0.32, 0.46, 0.13, 0.10, 0.11, 0.15, 0.07,
+# Ten-step means of the digits demo's loss (dtrain demo --epochs 4 --log-every 1).
+HEALTHY = [2.30, 2.27, 2.01, 0.94, 0.48, 0.27, 0.25, 0.15, 0.14]  # --lr 0.1
+SWINGING = [2.70, 9.64, 2.95, 113.32, 2.94, 2.50, 2.42, 2.34, 2.32]  # --lr 3
+# Each step's loss when fine-tuning a trained digits MLP (--log-every 1): single batches
+# swing by several times the loss, which no window of ten steps does.
+FINE_TUNING = [
+    0.084, 0.089, 0.174, 0.081, 0.060, 0.030, 0.107, 0.093, 0.031, 0.148, 0.144, 0.052,
+    0.022, 0.108, 0.247, 0.071, 0.016, 0.131, 0.072, 0.085, 0.061, 0.056, 0.020, 0.082,
+    0.059, 0.063, 0.025, 0.062, 0.061, 0.202, 0.060, 0.054, 0.111, 0.164, 0.138, 0.061,
+    0.055, 0.069, 0.054, 0.202, 0.168, 0.050, 0.032, 0.038, 0.094, 0.076, 0.057, 0.215,
+    0.150, 0.134, 0.115, 0.052, 0.075, 0.114, 0.020, 0.072, 0.038, 0.015, 0.363, 0.073,
 ]
-STUCK = [2.28, 2.25, 2.35, 2.37, 2.35, 2.33, 2.32, 2.39, 2.32, 2.40, 2.30, 2.29]  # --lr 1
-SWINGING = [2.29, 2.28, 3.41, 3.60, 4.02, 3.82, 2.84, 2.66, 2.62, 6.92, 3.07, 2.82]  # --lr 3
-EXPLODING = [3.68, 9.66, 10.10, 7.82, 4.37, 3.69, 3.72, 3.71, 3.57, 2.80]  # --lr 10
 
 
-def _reads(losses: list[float]) -> list[tuple[int, float]]:
-    return [(4 * (i + 1), loss) for i, loss in enumerate(losses)]
+def _course(values: list[float], steps: int) -> LossCourse:
+    """A course fed `values`, each the mean of `steps` steps."""
+    course = LossCourse()
+    for i, value in enumerate(values, 1):
+        course.add(i * steps, value, steps)
+    return course
 
 
-def test_the_largest_jump_above_an_earlier_read_is_named() -> None:
-    jump = largest_jump(_reads(SWINGING))
-    assert jump is not None and (jump.low_step, jump.low, jump.high_step, jump.high) == (
-        8, 2.28, 40, 6.92
-    )
-    jump = largest_jump(_reads(EXPLODING))
-    assert jump is not None and (jump.low, jump.high) == (3.68, 10.10)
-    assert "Lower it." in jump.message("Lower it.") and "at step 4 to 10.1 at step 12" in (
-        jump.message("")
-    )
+def test_the_largest_jump_of_a_window_above_an_earlier_one_is_named() -> None:
+    jump = _course(SWINGING, 10).jump
+    assert jump is not None and (jump.low_step, jump.high_step) == (10, 40)
+    assert (jump.low, jump.high) == pytest.approx((2.70, 113.32))
+    message = jump.message("Lower it.")
+    assert "from 2.7 (mean of the steps up to 10) to 113.3 (up to step 40)" in message
+    assert message.endswith("may be too high for this batch. Lower it.")
+    # Reads of fewer steps are pooled into windows of ten: the same course, the same jump.
+    pooled = _course([v for v in SWINGING for _ in range(5)], 2).jump
+    assert pooled is not None and pooled.high == pytest.approx(113.32)
 
 
-def test_healthy_noise_and_a_loss_that_never_moves_are_not_named() -> None:
-    assert largest_jump(_reads(HEALTHY)) is None  # 0.13 -> 0.46: noise near a small loss
-    assert largest_jump(_reads(STUCK)) is None
-    assert largest_jump(_reads(SWINGING[:3])) is None  # too few reads to say
+def test_healthy_noise_and_a_fine_tuning_run_read_every_step_are_not_named() -> None:
+    assert _course(HEALTHY, 10).jump is None
+    assert _course(FINE_TUNING, 1).jump is None  # 0.015 -> 0.363 in single steps
+    assert _course(SWINGING[:1], 10).jump is None  # one window says nothing
 
 
 def _train(losses: list[float], tmp_path: Path, resume_from: Path | None = None) -> dict:
@@ -65,11 +74,11 @@ def _train(losses: list[float], tmp_path: Path, resume_from: Path | None = None)
 def test_a_run_whose_loss_jumps_is_told_to_lower_the_learning_rate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    results = _train([2.0, 1.9, 3.5, 1.8, 1.7], tmp_path)
+    results = _train([2.0] * 10 + [1.8] * 10 + [3.5] * 10 + [1.7] * 10, tmp_path)
     shown = capsys.readouterr().out
-    assert "dtrain: note: The loss jumped from 1.9 at step 2 to 3.5 at step 3" in shown
+    assert "dtrain: note: The loss jumped from 1.8 (mean of the steps up to 20) to 3.5" in shown
     assert "Lower the learning rate the script sets" in shown
-    assert results["loss_jump"]["to"] == 3.5 and results["loss_jump"]["from_step"] == 2
+    assert results["loss_jump"]["to"] == 3.5 and results["loss_jump"]["from_step"] == 20
     # A resumed run starts from a loss already small, beside which noise is large.
-    results = _train([0.1, 0.3, 0.1, 0.05], tmp_path / "again", tmp_path / "ckpt")
+    results = _train([0.1] * 10 + [0.3] * 10, tmp_path / "again", tmp_path / "ckpt")
     assert "loss_jump" not in results and "jumped" not in capsys.readouterr().out

@@ -38,6 +38,6 @@ def test_a_batch_far_above_ten_samples_per_class_is_noted_for_the_demo() -> None
 
     assert DIGITS.batch_note(64) is None and DIGITS.batch_note(100) is None
     note = DIGITS.batch_note(512)
-    assert note is not None and "a global batch of 512 is over 10 times the 10 classes" in note
-    assert "raise --epochs, or keep the batch near 100" in note
+    assert note is not None and "a global batch of 512 holds more than 10 samples per class" in note
+    assert "(--epochs), or keep the batch near 100" in note
     assert TEXT.batch_note(4096) is None  # language modelling has no such rule

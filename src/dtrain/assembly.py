@@ -68,8 +68,10 @@ def watchers(
     summary = RunSummary(
         config, report, throughput, position, timing, scaling, dp_size, topology.is_main
     )
-    more_flag = "--towers" if strategy.name == "towers" else "--nproc"
-    gpus = GpuUse(strategy.placement.devices, topology.is_main, more_flag)
+    spec = strategy.spec
+    more = "--nproc" if spec.multiprocess else "--strategy ddp --nproc"
+    more = "--towers" if spec.name == "towers" else more
+    gpus = GpuUse(strategy.placement.devices, topology.is_main, more)
     observers = Observers([checkpoints, report, loss, timing, memory, gpus, summary])
     return Watchers(checkpoints, report, timing, loss, memory, observers)
 

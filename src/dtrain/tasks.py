@@ -58,10 +58,11 @@ class Task:
         if self.classes is None or global_batch_size <= BATCH_PER_CLASS * self.classes:
             return None
         return (
-            f"a global batch of {global_batch_size} is over {BATCH_PER_CLASS} times the "
-            f"{self.classes} classes of the {self.description}. On data of low diversity a "
-            "batch this large adds little to each step and needs more epochs to reach the "
-            f"same accuracy: raise --epochs, or keep the batch near "
+            f"a global batch of {global_batch_size} holds more than {BATCH_PER_CLASS} "
+            f"samples per class of the {self.description} ({self.classes} classes). A common "
+            "rule of thumb caps the batch there for data of low diversity: a larger batch "
+            "adds little to each step and needs more epochs to reach the same accuracy. "
+            f"Give it more epochs (--epochs), or keep the batch near "
             f"{BATCH_PER_CLASS * self.classes}."
         )
 

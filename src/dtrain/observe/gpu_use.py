@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,13 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.collectives import gather_objects
+from dtrain.collectives import gather_to_main
 from dtrain.observe.events import End, Observer, Run
 from dtrain.observe.logs import LOGGER
 
 SAMPLE_S = 0.5
 """Seconds between two samples of the GPUs' utilisation (nvidia-smi's own period is 1/6 s
 to 1 s, by device)."""
+
+STOP_S = 5.0
+"""Seconds `engine.close` waits for a reading in flight before it goes on without it."""
 
 Reader = Callable[[int], int]
 """The utilisation of the visible GPU of this index, in percent."""
@@ -50,7 +52,8 @@ class Sampler:
     `stop`; a failed read ends the sampling, keeping what was read."""
 
     def __init__(self, indices: list[int], read: Reader, period: float = SAMPLE_S) -> None:
-        self.samples: dict[int, list[int]] = {i: [] for i in indices}
+        self.sums = dict.fromkeys(indices, 0)
+        self.counts = dict.fromkeys(indices, 0)
         self._read = read
         self._period = period
         self._failed = False
@@ -67,20 +70,23 @@ class Sampler:
         if self._failed:
             return False
         try:
-            for index, values in self.samples.items():
-                values.append(int(self._read(index)))
+            for index in self.sums:
+                self.sums[index] += int(self._read(index))
+                self.counts[index] += 1
         except Exception as e:  # noqa: BLE001 - the run goes on without readings
             LOGGER.warning("GPU utilisation could not be read (%s); sampling stops", e)
             self._failed = True
         return not self._failed
 
     def stop(self) -> dict[int, float]:
-        """Stop sampling, with one last reading (so a run shorter than a period has
-        one); the mean utilisation of each GPU that was read at least once."""
+        """Stop sampling, with one last reading (so a run shorter than a period has one);
+        the mean utilisation of each GPU that was read at least once. A read that hangs
+        (a GPU fallen off the bus) is left behind, never waited for."""
         self._done.set()
-        self._thread.join()
-        self._sample()
-        return {i: statistics.fmean(v) for i, v in self.samples.items() if v}
+        self._thread.join(timeout=STOP_S)
+        if not self._thread.is_alive():
+            self._sample()
+        return {i: self.sums[i] / n for i, n in self.counts.items() if n}
 
 
 class GpuUse(Observer):
@@ -91,12 +97,12 @@ class GpuUse(Observer):
         self,
         devices: tuple[torch.device, ...],
         is_main: bool,
-        more_flag: str = "--nproc",
+        more_flags: str = "--nproc",
         read: Reader | None = None,
         period: float = SAMPLE_S,
     ) -> None:
-        self.more_flag = more_flag
-        """The flag that gives the job more GPUs, for the note on idle ones."""
+        self.more_flags = more_flags
+        """The flags that give the job more GPUs, for the note on idle ones."""
         self.indices = sorted({_index(d) for d in devices if d.type == "cuda"})
         self.is_main = is_main
         self._read = read
@@ -113,8 +119,7 @@ class GpuUse(Observer):
     def on_close(self, end: End) -> None:
         busy = self._sampler.stop() if self._sampler is not None else {}
         self._sampler = None
-        # Where no GPU is visible (alike on every rank of a job) there is nothing to say.
-        if not end.together or not (busy or torch.cuda.is_available()):
+        if not end.together:  # the gather needs every rank
             return
         mine = {
             "host": socket.gethostname(),
@@ -122,10 +127,10 @@ class GpuUse(Observer):
             "used": self.indices,
             "busy": busy,
         }
-        everyone = gather_objects(mine, self._group) if dist.is_initialized() else [mine]
-        if not self.is_main:
+        everyone = gather_to_main(mine, self._group)
+        if not self.is_main or everyone is None:
             return
-        lines, results = report(everyone, self.more_flag)
+        lines, results = report(everyone, self.more_flags)
         for line in lines:
             LOGGER.info(line)
             print(line, flush=True)
@@ -133,21 +138,24 @@ class GpuUse(Observer):
 
 
 def report(
-    everyone: list[dict[str, Any]], more_flag: str = "--nproc"
+    everyone: list[dict[str, Any]], more_flags: str = "--nproc"
 ) -> tuple[list[str], dict[str, Any]]:
     """What the main rank says, and adds to the metrics JSON, from every rank's record
     (``host``, ``visible``: the ids of the GPUs it saw, ``used``: the indices among them it
-    computed on, ``busy``: index -> mean utilisation); `more_flag` is the flag that gives
-    the job more GPUs (--towers for towers)."""
+    computed on, ``busy``: index -> mean utilisation); `more_flags` give the job more
+    GPUs (``--towers`` for towers, ``--strategy ddp --nproc`` for one-process ones)."""
     lines: list[str] = []
     results: dict[str, Any] = {}
     if any(r["busy"] for r in everyone):
         results["gpu_busy_percent"] = [
-            {str(i): round(p, 1) for i, p in r["busy"].items()} or None for r in everyone
+            {_id(r, i): round(p, 1) for i, p in r["busy"].items()} or None for r in everyone
         ]
         shown = ", ".join(
             f"rank {rank} "
-            + ", ".join(_busy_text(i, p, len(r["busy"])) for i, p in r["busy"].items())
+            + ", ".join(
+                f"{p:.0f}%" if len(r["busy"]) == 1 else f"GPU {_id(r, i)} {p:.0f}%"
+                for i, p in r["busy"].items()
+            )
             for rank, r in enumerate(everyone)
             if r["busy"]
         )
@@ -158,12 +166,24 @@ def report(
     if idle:
         results["idle_gpus"] = {host: i.idle for host, i in idle.items()}
     for host, i in idle.items():
+        # --devices takes indices; CUDA_VISIBLE_DEVICES may name GPUs by UUID instead.
+        hide = (
+            f"--devices {','.join(i.used)} shows the job only the GPUs it uses"
+            if all(gpu.isdigit() for gpu in i.used)
+            else "name only the GPUs it uses in CUDA_VISIBLE_DEVICES"
+        )
         lines.append(
             f"dtrain: note: GPU(s) {', '.join(i.idle)} of {host} are visible but no process "
-            f"computed on them. Give them work ({more_flag} {i.visible}), or leave them to "
-            f"other jobs: --devices {','.join(i.used)} shows the job only the GPUs it uses."
+            f"computed on them. Give them work ({more_flags} {i.visible}), or leave them to "
+            f"other jobs: {hide}."
         )
     return lines, results
+
+
+def _id(record: dict[str, Any], index: int) -> str:
+    """The id of the visible GPU `index` of a rank's record (as the idle note names it)."""
+    visible = record["visible"]
+    return visible[index] if index < len(visible) else str(index)
 
 
 @dataclass(frozen=True)
@@ -192,10 +212,6 @@ def idle_gpus(everyone: list[dict[str, Any]]) -> dict[str, Idle]:
             taken = [gpu for i, gpu in enumerate(visible) if i in used]
             found[host] = Idle(idle, taken, len(visible))
     return found
-
-
-def _busy_text(index: int, percent: float, devices: int) -> str:
-    return f"{percent:.0f}%" if devices == 1 else f"GPU {index} {percent:.0f}%"
 
 
 def _visible_ids() -> list[str]:

@@ -33,6 +33,9 @@ class LossWatch:
         """The last loss read back (what the progress bar shows)."""
         self.last_step = 0
         """The optimizer step `last` belongs to."""
+        self.interval: tuple[float, int] = (math.nan, 0)
+        """The mean loss of the global batch over the steps of the last read, and their
+        number."""
 
     @property
     def unread(self) -> bool:
@@ -83,4 +86,6 @@ class LossWatch:
         # Every rank's share is the same size, so the mean of their means is the loss of the
         # global batch (what `single` shows); ranks holding copies (tp, pp) count alike.
         self.last = sum(row[-1] for row in rows) / len(rows)
+        steps = len(rows[0])
+        self.interval = (sum(map(sum, rows)) / (len(rows) * steps), steps)
         return self.last

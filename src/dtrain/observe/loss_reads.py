@@ -15,7 +15,7 @@ from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.events import End, Observer, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.loss import LossWatch
-from dtrain.observe.loss_jump import largest_jump
+from dtrain.observe.loss_jump import LossCourse
 from dtrain.observe.progress import Throughput
 from dtrain.observe.run_report import RunReport
 
@@ -42,8 +42,8 @@ class LossReads(Observer):
         self.timer = timer
         self.grad_norm: torch.Tensor | None = None
         """The gradient norm before the last clipping (on the device), for the logs."""
-        self.reads: list[tuple[int, float]] = []
-        """(step, loss) of every read, in order: the loss's course over the run."""
+        self.course = LossCourse()
+        """The loss's course over the run, window by window."""
         self._resumed = False
         self._run: Run | None = None
 
@@ -75,7 +75,7 @@ class LossReads(Observer):
 
     def on_close(self, end: End) -> None:
         end.results["train_loss"] = self.watch.last
-        jump = None if self._resumed else largest_jump(self.reads)
+        jump = None if self._resumed else self.course.jump
         if jump is None or not self.report.is_main:
             return
         message = jump.message(advice.unstable_loss())
@@ -113,7 +113,7 @@ class LossReads(Observer):
                 optimizer.zero_grad(set_to_none=True)
             raise
         if fresh and loss is not None:
-            self.reads.append((watch.last_step, loss))
+            self.course.add(watch.last_step, *watch.interval)
             if self.report.is_main:
                 self._log(loss, watch.last_step, optimizer)
         self.timer.collect()  # the read waited for the device: the marks are done
