@@ -79,7 +79,7 @@ class LossReads(Observer):
         if jump is None or not self.report.is_main:
             return
         message = jump.message(advice.unstable_loss())
-        LOGGER.warning(message)
+        LOGGER.info(message)  # printed below: no warning, which would say it twice
         print(f"dtrain: note: {message}", flush=True)
         end.results["loss_jump"] = {
             "from_step": jump.low_step,
