@@ -18,6 +18,7 @@ averages them like any other.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - torch's usual alias
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from dtrain.observe.logs import LOGGER
 
 
 class Exchange(Protocol):
@@ -211,3 +214,21 @@ def convert_sync_batchnorm(
         if converted is not child:
             setattr(model, name, converted)
     return model
+
+
+def warn_unsynced_batchnorm(model: nn.Module, shares: int, share: str, fix: str) -> None:
+    """Say once, naming the layers, that `model`'s BatchNorm layers will normalise each of
+    `shares` parts of the batch by itself (a `share` such as "process's" or "tower's"), so
+    the parameters train differently from one device on the whole batch; `fix` says what
+    to do instead. Nothing to say with one share or no BatchNorm."""
+    norms = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+    if not norms or shares == 1:
+        return
+    message = (
+        f"dtrain: {', '.join(norms[:3])}{' ...' if len(norms) > 3 else ''} normalise each "
+        f"{share} share of the batch (1/{shares} of it), so the model trains differently "
+        "from one device on the whole batch (the parameters, not only the running "
+        f"statistics). {fix}"
+    )
+    LOGGER.warning(message)
+    warnings.warn(message, stacklevel=5)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,10 +18,12 @@ from torch.optim import Optimizer
 
 from dtrain.batches import LossFn, forward_loss
 from dtrain.config import Config
+from dtrain.errors import ConfigError
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.materialize import DeferredInit
+from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.precision import LossScaling, compute_dtype
 from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.placement import replicas
@@ -85,7 +87,25 @@ class Strategy(CheckpointState):
         """Keep what the Engine hands over, then `wrap` the model (the Engine calls this
         once; a strategy overrides `wrap`, so that none can lose the handover)."""
         self.handover = handover
+        self._note_unsynced_batchnorm(model)
         return self.wrap(model, optimizer)
+
+    def _note_unsynced_batchnorm(self, model: nn.Module) -> None:
+        """Warn, naming the layers, where BatchNorm would normalise each process's share of
+        the batch although --sync-batchnorm could make it normalise the whole batch."""
+        if self.config.sync_batchnorm or self.placement.dp_size == 1:
+            return
+        try:
+            self.spec.check_options(replace(self.config, sync_batchnorm=True))
+        except ConfigError:
+            return  # the flag is refused here (towers, local-sgd, ps async): nothing to offer
+        warn_unsynced_batchnorm(
+            model,
+            self.placement.dp_size,
+            "process's",
+            "Add --sync-batchnorm (dtrain.init(sync_batchnorm=True)) to normalise over the "
+            "whole global batch, as one device does.",
+        )
 
     def wrap(
         self, model: nn.Module, optimizer: Optimizer | None

@@ -11,24 +11,22 @@ a gradient skipped) and the optimizer applies them once. Works on CPU as well as
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import parallel_apply
 from torch.optim import Optimizer
 
 from dtrain.batches import batch_size, split, to_device
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.observe.logs import LOGGER
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
+from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import tower_count
 from dtrain.topology import Topology, use_gpus
@@ -176,22 +174,6 @@ class TowerReplicas(nn.Module):
                 tower_param.grad = None
 
 
-def _warn_batchnorm(model: nn.Module, towers: int) -> None:
-    """Say once, naming the layers, that BatchNorm normalises each tower's share."""
-    norms = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
-    if not norms or towers == 1:
-        return
-    message = (
-        f"dtrain: {', '.join(norms[:3])}{' ...' if len(norms) > 3 else ''} normalise each "
-        f"tower's share of the batch (1/{towers} of it), as nn.DataParallel does, so the "
-        "model trains differently from one device on the whole batch (the parameters, not "
-        "only the running statistics). To normalise over the whole batch, use --strategy ddp "
-        "--sync-batchnorm."
-    )
-    LOGGER.warning(message)
-    warnings.warn(message, stacklevel=4)
-
-
 class Towers(Strategy):
     """Single-process data parallel over N replicas (`--towers N`)."""
 
@@ -211,7 +193,13 @@ class Towers(Strategy):
     ) -> tuple[nn.Module, Optimizer | None]:
         model, compiled = unwrap_compiled(model)
         devices = list(self.placement.devices)
-        _warn_batchnorm(model, len(devices))
+        warn_unsynced_batchnorm(
+            model,
+            len(devices),
+            "tower's",
+            "nn.DataParallel does the same. To normalise over the whole batch, use "
+            "--strategy ddp --sync-batchnorm.",
+        )
         self.model = TowerReplicas(model, devices, self.param_device)
         c = self.config
         for replica in self.model.replicas:
