@@ -5,7 +5,8 @@
     optimizer.pt         optimizer state keyed by parameter name (tensors only)
     trainer.pt           data position and RNG state
 
-Plain ``safetensors.torch.load_file`` + ``load_state_dict`` on the unwrapped model works.
+Plain ``safetensors.torch.load_file`` + ``load_state_dict`` on the unwrapped model works
+(but for complex128 tensors, which safetensors stores as their real view: safetensors_file).
 Every ``.pt`` file is read with ``weights_only=True``: no arbitrary objects are unpickled.
 A sharded checkpoint (`dtrain.checkpoint.sharded`) has the same manifest and trainer
 state beside torch.distributed.checkpoint's files instead of the model and optimizer files.
@@ -22,11 +23,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch import nn
 
 from dtrain import advice
+from dtrain.checkpoint import safetensors_file
 from dtrain.checkpoint.atomic import atomic_directory, file_records
 from dtrain.checkpoint.canonical import canonical_name, canonical_state_dict
 from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
@@ -54,23 +55,6 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}  # type: ignore[union-attr]
 
 
-def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` with each one that shares memory with an earlier one copied.
-
-    Tied weights (an output layer that is the input embedding) can arrive as one tensor
-    under two names (a plain ``torch.save`` file keeps the tie, and so does a state handed
-    over uncopied); safetensors refuses shared memory, and a plain `load_state_dict` of
-    the file wants every name, so each name gets its own copy.
-    """
-    seen: set[tuple[torch.device, int]] = set()
-    out = {}
-    for name, tensor in tensors.items():
-        memory = (tensor.device, tensor.untyped_storage().data_ptr())
-        out[name] = tensor.clone() if memory in seen else tensor
-        seen.add(memory)
-    return out
-
-
 def write(
     path: Path,
     tensors: dict[str, torch.Tensor],
@@ -90,9 +74,7 @@ def write(
     """
     size = stored_bytes(tensors, optimizer_state, trainer)
     with writing(path, size), atomic_directory(Path(path)) as tmp:
-        safetensors.torch.save_file(
-            unshared(tensors), tmp / MODEL_FILE, metadata={"format": FORMAT}
-        )
+        safetensors_file.save(tensors, tmp / MODEL_FILE, metadata={"format": FORMAT})
         if optimizer_state is not None:
             save_pt(optimizer_state, tmp / OPTIMIZER_FILE)
         save_pt(trainer, tmp / TRAINER_FILE)
@@ -215,7 +197,7 @@ def is_sharded(manifest: dict[str, Any]) -> bool:
 
 def read_model(path: Path) -> dict[str, torch.Tensor]:
     """The model tensors of the checkpoint at `path`, on the CPU."""
-    return safetensors.torch.load_file(Path(path) / MODEL_FILE)
+    return safetensors_file.load(Path(path) / MODEL_FILE)
 
 
 def read_pt(path: Path, name: str, mmap: bool = False) -> Any:

@@ -1,9 +1,9 @@
 """The model file of a checkpoint, read tensor by tensor as a rank asks for them.
 
-`safetensors.safe_open` reads a file's header (names, shapes, dtypes) without its data
-and then one tensor at a time by name, so a rank that needs part of the model (a
-pipeline stage) reads only that part, and checking the file against a model's shapes
-reads no tensor at all.
+A safetensors file's header gives every name, shape and dtype without its data, and then
+one tensor at a time by name, so a rank that needs part of the model (a pipeline stage)
+reads only that part, and checking the file against a model's shapes reads no tensor at
+all.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from dtrain.checkpoint.safetensors_file import TensorFile
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):
@@ -27,21 +28,18 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     def __init__(self, path: Path, wanted: set[str]) -> None:
         self.path = Path(path)
         self.wanted = wanted
-        self._file = safe_open(str(self.path), framework="pt")
-        self._names: list[str] = list(self._file.keys())
-        self.shapes = {
-            name: torch.Size(self._file.get_slice(name).get_shape()) for name in self._names
-        }
+        self._file = TensorFile(self.path)
+        self.shapes = self._file.shapes
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
         if name not in self.wanted:
             return torch.empty(self.shapes[name], device="meta")
-        return self._file.get_tensor(name)
+        return self._file.get(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        return iter(self._file.names)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._file.names)

@@ -12,13 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from dtrain.checkpoint import safetensors_file
 from dtrain.checkpoint.canonical import canonical_state_dict
 from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
-from dtrain.checkpoint.format import load_pt, unshared
+from dtrain.checkpoint.format import load_pt
 from dtrain.errors import CheckpointError
 
 # Where training scripts commonly keep the model state inside a saved dict, in the order
@@ -51,7 +51,7 @@ def read_file(path: Path) -> Any:
         raise CheckpointError(f"{path} does not exist; pass a checkpoint directory or file.")
     if path.suffix == ".safetensors":
         try:
-            return safetensors.torch.load_file(path)
+            return safetensors_file.load(path)
         except SafetensorError as e:
             raise CheckpointError(
                 f"{path} cannot be read as a safetensors file ({e}); it is truncated or "
@@ -100,7 +100,7 @@ def write_plain(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.suffix == ".safetensors":
-                safetensors.torch.save_file(unshared(tensors), tmp)
+                safetensors_file.save(tensors, tmp)
             else:
                 save_pt(tensors, tmp)
             tmp.replace(path)

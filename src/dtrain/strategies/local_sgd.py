@@ -3,10 +3,16 @@
 Local SGD (Stich, ICLR 2019; Lin et al., ICLR 2020): every process holds a whole replica
 and reads its share of each global batch, as under ddp, but backward exchanges nothing;
 after every H-th optimizer step (``--sync-every H``) the replicas average their parameters
-and floating-point buffers (BatchNorm's running statistics) in one all-reduce (torch's
-``model_averaging.utils.average_parameters``), so they communicate H times less often than
-ddp. Each replica keeps its own optimizer state, as torch's PeriodicModelAverager and
-torchft's LocalSGD do.
+and floating-point and complex buffers (BatchNorm's running statistics) in one all-reduce
+per dtype (torch's ``model_averaging.utils.average_parameters``), so they communicate H
+times less often than ddp. Each replica keeps its own optimizer state, as torch's
+PeriodicModelAverager and torchft's LocalSGD do. Integer and bool buffers (counters,
+masks) are not averaged: every replica keeps its own, as a mean of them means nothing.
+
+A buffer's mean is taken as rank 0's value plus the mean of the replicas' differences from
+it, so that a buffer every replica holds alike (a rotary table, Hugging Face's `inv_freq`)
+stays bit for bit what it was: a plain mean of three equal float32 values changes about
+one in seven of them by a unit in the last place, at every sync.
 
 DiLoCo (Douillard et al. 2023), with ``--outer-optimizer sgd|nesterov``: a sync averages
 the replicas' changes since the last sync (the outer gradient: the synced model minus the
@@ -48,7 +54,7 @@ from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.parallel.broadcast import broadcast_model
+from dtrain.parallel.broadcast import broadcast_model, broadcast_tensors
 from dtrain.strategies.base import Strategy
 from dtrain.topology import Topology
 
@@ -106,7 +112,7 @@ class LocalSGD(Strategy):
         module = self.unwrap()
         broadcast_model(module, None, self.topology.device)
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._buffers = [b for b in module.buffers() if b.is_floating_point()]
+        self._buffers = [b for b in module.buffers() if _averaged(b)]
         if self.config.outer_optimizer != "none":
             self._synced = [nn.Parameter(p.detach().clone()) for p in self._params]
             self._outer = torch.optim.SGD(
@@ -145,20 +151,35 @@ class LocalSGD(Strategy):
             self.sync()
 
     # -- the sync -------------------------------------------------------------------------
-    def _average(self, tensors: list[torch.Tensor]) -> None:
-        """Replace each of `tensors` by its mean over the replicas (one all-reduce)."""
-        if tensors and dist.is_initialized() and dist.get_world_size(self.placement.dp_group) > 1:
-            average_parameters(iter(tensors), self.placement.dp_group)  # type: ignore[arg-type]
+    def _average(self, tensors: list[torch.Tensor], alike: list[torch.Tensor]) -> None:
+        """Replace each of `tensors` and `alike` by its mean over the replicas (one
+        all-reduce per dtype); each of `alike` (buffers, frozen parameters) as rank 0's value
+        plus the mean difference from it, exact where the replicas hold the same value."""
+        group = self.placement.dp_group
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        anchors = [t.clone() for t in alike]
+        broadcast_tensors(anchors, group, self.topology.device)
+        for t, anchor in zip(alike, anchors, strict=True):
+            # Equal values differ by exactly 0, infinities included (where t - anchor is NaN).
+            t.copy_(torch.where(t == anchor, 0, t - anchor))
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in [*tensors, *alike]:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for same in by_dtype.values():
+            average_parameters(iter(same), group)  # type: ignore[arg-type]
+        for t, anchor in zip(alike, anchors, strict=True):
+            t.add_(anchor)
 
     @torch.no_grad()
     def sync(self) -> None:
         """Bring every replica to the new synced model (collective over the replicas):
         the mean of the replicas, or DiLoCo's outer step on their mean change."""
         if self._outer is None:
-            self._average([*self._params, *self._buffers])
+            self._average(self._params, self._buffers)
         else:
             deltas = [g - p for g, p in zip(self._synced, self._params, strict=True)]
-            self._average([*deltas, *self._buffers])
+            self._average(deltas, self._buffers)
             for g, delta in zip(self._synced, deltas, strict=True):
                 g.grad = delta
             self._outer.step()
@@ -193,13 +214,21 @@ class LocalSGD(Strategy):
         if self.since_sync == 0:
             return super().full_state(optimizer)
         module = self.unwrap()
-        state = canonical_state_dict(module.state_dict())
-        mean = {k: v.clone() for k, v in state.items() if v.is_floating_point()}  # type: ignore[union-attr]
-        self._average(list(mean.values()))
+        state = canonical_state_dict(module.state_dict(keep_vars=True))
+        trained = {id(p) for p in self._params}
+        mean = {
+            k: v.detach().clone()
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and _averaged(v)
+        }
+        self._average(
+            [t for k, t in mean.items() if id(state[k]) in trained],
+            [t for k, t in mean.items() if id(state[k]) not in trained],
+        )
         if not self.topology.is_main:
             return None, None
         tensors = {
-            k: mean.get(k, v).to("cpu").contiguous()  # type: ignore[union-attr]
+            k: mean.get(k, v).detach().to("cpu").contiguous()  # type: ignore[arg-type]
             for k, v in state.items()
         }
         return tensors, state_by_name(optimizer, module) if optimizer else None
@@ -265,3 +294,8 @@ class LocalSGD(Strategy):
     def close(self) -> None:
         self._params, self._buffers, self._synced, self._outer = [], [], [], None
         super().close()
+
+
+def _averaged(tensor: torch.Tensor) -> bool:
+    """Whether a sync averages `tensor` over the replicas (floating point or complex)."""
+    return tensor.is_floating_point() or tensor.is_complex()

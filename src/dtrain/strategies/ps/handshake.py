@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError
+from dtrain.parallel.broadcast import broadcast_bytes
 from dtrain.strategies.ps import sharding
 from dtrain.strategies.ps.protocol import Channel
 from dtrain.strategies.ps.roles import Roles
@@ -112,7 +113,7 @@ def handshake(mine: Description | None, values: torch.Tensor | None, roles: Role
         )
     if values is None:
         values = torch.empty(description.numel, dtype=description.dtype)
-    dist.broadcast(values, src=0)
+    broadcast_bytes(values, 0, None)
     workers_group = dist.new_group(roles.worker_ranks)
     everyone = dist.new_group(list(range(dist.get_world_size())))
     return Start(description, values, workers_group, Channel(everyone))

@@ -227,7 +227,9 @@ class Server:
         """min(1, bound / global norm of the round's mean gradient): this server's share of
         the squared norm goes to every other server and theirs come back (each server
         closes the same rounds in the same order, so the r-th shares belong together)."""
-        share = mean.double().square().sum().reshape(1)
+        # |z|^2 for a complex gradient, as torch's clip_grad_norm_ counts it in `single`.
+        wide = torch.promote_types(mean.dtype, torch.float64)
+        share = torch.linalg.vector_norm(mean, dtype=wide).square().reshape(1)
         ranks = self.roles.server_ranks
         others = [j for j in range(len(ranks)) if j != self.index]
         sends = [self.channel.send(share, ranks[j], NORM) for j in others]

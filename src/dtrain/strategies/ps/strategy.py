@@ -28,6 +28,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from dtrain.parallel.broadcast import broadcast_tensors
 from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
@@ -147,19 +148,12 @@ class ParameterServer(Strategy):
         return model, self.optimizer
 
     def _broadcast_rest(self, model: nn.Module, served: list[nn.Parameter]) -> None:
-        """Worker 0's buffers and unserved parameters to every worker, so all start equal
-        (the servers sent the served ones in the handshake)."""
+        """Worker 0's buffers and unserved parameters to every worker, bit for bit, so all
+        start equal (the servers sent the served ones in the handshake)."""
         ids = {id(p) for p in served}
         tensors = [p for p in model.parameters() if id(p) not in ids] + list(model.buffers())
-        if not tensors:
-            return
-        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
-        dist.broadcast(flat, src=0, group=self.placement.dp_group)
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        # Every message of a ps job goes over gloo, which sends host memory.
+        broadcast_tensors(tensors, self.placement.dp_group, torch.device("cpu"))
 
     # -- training --------------------------------------------------------------------------
     @property
