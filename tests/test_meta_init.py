@@ -1,6 +1,7 @@
 """A model built without memory (`engine.init_empty`) starts as the model built whole with
 the same seed and trains like it under every strategy; one that cannot be initialised is
-refused by name; and a model built whole is placed shard by shard under zero3."""
+refused by name; and a model built whole is placed shard by shard under zero3. Models of other
+projects' habits, in one process: tests/test_meta_init_models.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
+from test_meta_init_models import hf_model, start
 from torch import nn
 from torch.testing import assert_close
 from training import CLOSE, finish
@@ -80,11 +82,25 @@ def run(strategy: str, empty: bool, model_name: str = "gpt", close: bool = True,
     return initial, finish(engine, close), drawn
 
 
-def empty_runs(variants: list[dict[str, Any]]) -> tuple[list[Any], Any]:
-    """Each of `variants` (options of `run`) in turn in this process group, then
-    `sharding_held_bytes` (one spawned job for both)."""
+def hf_start(strategy: str) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor]:
+    """The parameters after setup (main rank) of the tiny Qwen2 (tied embeddings) built
+    inside `engine.init_empty()` under `strategy`, and numbers drawn after setup; the
+    process group is kept for another run."""
+    engine = dtrain.init(strategy=strategy, seed=0)
+    with engine.init_empty():
+        model = hf_model("qwen2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = engine.setup(model, optimizer)
+    drawn = torch.rand(4)
+    del model, optimizer
+    return finish(engine, close=False), drawn
+
+
+def empty_runs(variants: list[dict[str, Any]]) -> tuple[list[Any], Any, Any]:
+    """Each of `variants` (options of `run`) in turn in this process group, Qwen2 under
+    zero3 (`hf_start`), then `sharding_held_bytes` (one spawned job for all)."""
     runs = [run(empty=True, close=False, **v) for v in variants]
-    return runs, sharding_held_bytes()
+    return runs, hf_start("zero3"), sharding_held_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +135,14 @@ def test_every_layout_initialises_its_part_as_the_whole_model_and_zero3_places_s
         assert_close(initial, expected[0], rtol=0, atol=0, msg=lambda m, s=label: f"{s}: {m}")
         assert_close(final, expected[1], **CLOSE, msg=lambda m, s=label: f"{s}: {m}")
         assert_close(drawn, expected[2], rtol=0, atol=0, msg=lambda m, s=label: f"{s}: {m}")
+    # A Hugging Face model whose sub-model initialises itself (post_init), sharded as built.
+    hf_initial, hf_drawn = results[0][1]
+    hf_whole, hf_whole_drawn = start(lambda: hf_model("qwen2"), empty=False)
+    assert hf_initial and hf_initial.keys() <= hf_whole.keys()
+    assert_close(hf_initial, {k: hf_whole[k] for k in hf_initial}, rtol=0, atol=0)
+    assert_close(hf_drawn, hf_whole_drawn, rtol=0, atol=0)
     # zero3 with a model built whole: placed block by block as it is sharded.
-    for _, (held, after, moved) in results:
+    for _, _, (held, after, moved) in results:
         assert not moved  # the whole model never went to the device before sharding
         assert len(held) == SIZES["tiny"].layers + 1  # each block, then the root
         assert held == [0] * len(held)  # a sharded block's whole tensors were let go

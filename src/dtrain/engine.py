@@ -32,7 +32,8 @@ from dtrain.observe.events import End, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.progress import Throughput
 from dtrain.optimizers import check_split, train_step_refusal
-from dtrain.parallel import materialize
+from dtrain.parallel import build_record, materialize
+from dtrain.parallel.build_record import BuildRecord
 from dtrain.position import Position
 from dtrain.strategies.base import Handover, Strategy
 from dtrain.teardown import close_at_exit, forget
@@ -70,8 +71,8 @@ class Engine(JobView, DataSide, CheckpointSide):
         self._loss, self._memory = watched.loss, watched.memory
         self._step_refusal: SetupError | None = None
         """Why train_step cannot step the optimizer (one that needs a closure), if so."""
-        self._empty_rng: torch.Tensor | None = None
-        """The CPU random state when `init_empty` was last entered."""
+        self._empty_build: BuildRecord | None = None
+        """What the model's build did inside the last `init_empty` block (till setup)."""
 
     @property
     def module(self) -> nn.Module:
@@ -86,17 +87,24 @@ class Engine(JobView, DataSide, CheckpointSide):
         """Build the model inside this block without memory: on torch's meta device, every
         shape and no values. `setup` then gives storage on the device only to the part this
         rank holds (its shards, pipeline stages or tensor-parallel slices; the whole model
-        under the strategies that hold whole copies) and initialises it to the values a
-        build of the whole model on the CPU draws from the random state at this block's
-        start (rank 0's). The model's modules must initialise themselves as torch's layers
-        do: each with a ``reset_parameters()`` that sets all its own parameters and buffers,
-        or the model with an ``init_weights()`` its constructor ends with (see
-        `dtrain.parallel.materialize`); a module that cannot is refused at setup.
-        Build the optimizer from ``model.parameters()`` as usual: setup keeps it pointing at
-        what trains."""
-        self._empty_rng = torch.get_rng_state()
-        with torch.device("meta"):
+        under the strategies that hold whole copies) and gives it exactly the values, bit
+        for bit, that building the whole model on the CPU draws from the random state at
+        this block's start (rank 0's), or refuses the model by name before training.
+
+        The block records how the build initialises the tensors and setup replays it in the
+        same order: each ``reset_parameters()`` (torch's layers), each ``init_weights()``
+        (a constructor ending with it, Hugging Face's ``post_init``), each in-place
+        ``torch.nn.init`` call a constructor makes itself (torchvision's ResNet). A model
+        whose constructor does not call its ``init_weights()`` (torchtitan's) has it called
+        once after, as its trainer does. Refused at setup, naming the module and what to do:
+        a tensor nothing replayable sets (a value computed in a constructor), a write through
+        a view or a random tensor made in a constructor, random numbers drawn on the CPU or a
+        seed set once the build's initialisation began (see `dtrain.parallel.materialize`);
+        a seed set in the block before building is honoured. Build the optimizer from
+        ``model.parameters()`` as usual: setup keeps it pointing at what trains."""
+        with build_record.recording() as record:
             yield
+        self._empty_build = record
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -112,9 +120,9 @@ class Engine(JobView, DataSide, CheckpointSide):
             check_split(optimizer, self.strategy.name, self.strategy.placement.splits_model)
             self._step_refusal = train_step_refusal(optimizer)
         kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
-        rng = self._empty_rng if self._empty_rng is not None else torch.get_rng_state()
         places = self.strategy.placement.places_parts
-        deferred = materialize.prepare(model, rng, places, self.topology.device)
+        record, self._empty_build = self._empty_build, None
+        deferred = materialize.prepare(model, record, places, self.topology.device)
         handover = Handover(self.observers.on_forward_end, self.loss_scaling, deferred)
         self.model, optimizer = self.strategy.setup(model, optimizer, handover)
         self.optimizer = optimizer

@@ -2,29 +2,41 @@
 
 A model built inside ``engine.init_empty()`` has every shape and no values (torch's meta
 device). `engine.setup` shards, splits or slices it first, gives storage on the device
-only to this rank's part (`materialize`), then gives that part the values a build of the
-whole model on the CPU would have drawn from the same random state (`DeferredInit`).
+only to this rank's part (`materialize`), then gives that part its values (`DeferredInit`).
 
-The rule the model must follow is the one a whole build follows without being told: each
-layer's constructor draws its initial values with its ``reset_parameters()``, in the
-order the layers are built (their order in ``model.named_modules()``), and a model whose
-constructor then re-initialises them itself does it in ``init_weights()``. dtrain replays
-exactly that on the CPU: every module's ``reset_parameters()`` in module order, one module
-at a time, or, for a model that defines ``init_weights()``, all of them then
-``init_weights()`` on the whole model in host memory. A module that holds tensors and has
-no ``reset_parameters()`` (in a model without ``init_weights()``) cannot be replayed and
-is refused by name, as is one whose ``reset_parameters()`` leaves a tensor unset.
+The rule: the model starts from exactly the values, bit for bit, that building it whole on
+the CPU from the same random state gives, or setup refuses it by name before training;
+never from silently different ones. While the block runs, `dtrain.parallel.build_record`
+records each step of the build that gives tensors values, in the build's order: each
+``reset_parameters()`` call (torch's layers make it in their constructors), each
+``init_weights()`` call (a constructor ending with it; every Hugging Face model makes it
+through ``post_init``, each of its sub-models too), and each in-place initialisation a
+constructor does itself (``nn.init.kaiming_normal_`` in torchvision's ResNet). Setup
+replays these steps in that order on host tensors, from the random state the build's first
+step started from: the same draws in the same order, so the same values, and the CPU generator
+left where the whole build leaves it (random numbers drawn between the block and setup are
+drawn again). A tensor a call rebinds (``self.freqs_cis = table()``) takes the new value.
+A model whose constructor does not call its ``init_weights()`` (torchtitan's models, which
+their trainer initialises after building them) has it called once after those steps: it
+starts as the whole build followed by ``model.init_weights()``.
+
+Refused by name, each with what to do: a tensor that no replayed step sets, or sets only
+in part (floating and complex tensors start as NaN; any other must have been written); a
+step of the build that cannot be replayed (`dtrain.parallel.build_record`); a submodule's
+``init_weights()`` the build never called (dtrain cannot tell when a whole build would); a
+model put on the meta device outside ``engine.init_empty()``. Host memory holds one
+module's tensors at a time, or the whole model's while an ``init_weights()`` runs.
 
 Every rank starts from rank 0's model, as when a built model is broadcast: a rank that
-holds only a part draws it from the random state rank 0 had on entering
-``engine.init_empty()``. Setup leaves the CPU generator as the whole build would have
-(under the strategies that split the model, as rank 0's build would have).
+holds only a part draws it from the random state rank 0's build started from. Setup leaves
+the CPU generator as the whole build would have (under the strategies that split the
+model, as rank 0's build would have).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,24 +46,30 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.errors import SetupError
+from dtrain.observe.logs import LOGGER
+from dtrain.parallel.build_record import (
+    BuildRecord,
+    InitCall,
+    InitOp,
+    Ref,
+    Step,
+    meta_held,
+    own_tensors,
+)
 
 INIT_RULE = (
     "give it a reset_parameters() method that sets all its own parameters and buffers (as "
     "torch's layers have), or define init_weights() on the model"
 )
+OUTSIDE = "or build the model outside engine.init_empty"
+
+Slot = tuple[int, str]
+"""Where a tensor is held: (id of the module, name)."""
 
 
 def _is_meta(tensor: torch.Tensor) -> bool:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.is_meta
-
-
-def _own(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters and buffers `module` holds itself (not its children's), by name."""
-    tensors: dict[str, torch.Tensor] = {}
-    for store in (module._parameters, module._buffers):
-        tensors.update({name: t for name, t in store.items() if t is not None})
-    return tensors
 
 
 @contextlib.contextmanager
@@ -72,48 +90,110 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     Tensors that already have storage keep it and their values."""
     with _swap_on_conversion():
         for sub in module.modules():
-            if any(_is_meta(t) for t in _own(sub).values()):
+            if any(_is_meta(t) for t in own_tensors(sub).values()):
                 sub.to_empty(device=device, recurse=False)
+
+
+def _named(model: nn.Module, module: nn.Module | None) -> str:
+    """`module` as a message names it: its path in `model` and class."""
+    if module is None:
+        return "code outside any module's constructor"
+    path = next((p for p, m in model.named_modules() if m is module), None)
+    where = "" if path is None else f"module '{path or 'model'}' "
+    return f"the constructor of {where}({type(module).__name__})"
+
+
+def _refuse_unreplayable(model: nn.Module, record: BuildRecord) -> None:
+    """Refuse a build whose record cannot be replayed exactly (see the module's docstring)."""
+    if record.unreplayable:
+        first = record.unreplayable[0]
+        more = len(record.unreplayable) - 1
+        raise SetupError(
+            f"While the model was built inside engine.init_empty, {_named(model, first.owner)} "
+            f"initialised a tensor in a way setup cannot replay ({first.what}"
+            f"{f', and {more} more' if more else ''}); do it in a reset_parameters() or "
+            f"init_weights() method, with whole tensors and torch.nn.init, {OUTSIDE}."
+        )
+    if record.drew_on_cpu:
+        raise SetupError(
+            "Random numbers were drawn on the CPU while the model was built inside "
+            "engine.init_empty, once its initialisation had begun (a tensor made with "
+            "device='cpu', or a seed set there), which a build on the meta device cannot "
+            "replay; seed before building and make the model's tensors on the default "
+            f"device, {OUTSIDE}."
+        )
+    for path, module in model.named_modules():
+        has_init = callable(getattr(module, "init_weights", None))
+        if path and has_init and module not in record.init_weights_ran:
+            raise SetupError(
+                f"Module '{path}' ({type(module).__name__}) defines init_weights(), but the "
+                "model's build inside engine.init_empty never called it, so setup cannot tell "
+                "when a whole build would; call it from its constructor or from the model's "
+                f"init_weights(), {OUTSIDE}."
+            )
 
 
 @dataclass(frozen=True)
 class DeferredInit:
-    """The record of a model built on the meta device: which of its modules' own tensors
-    were empty and the random state to draw their values from."""
+    """The replay of a model's build on the meta device: its steps, where the tensors they
+    set are held in the model, and the random state to draw their values from."""
 
     rng_state: torch.Tensor
-    """The CPU generator's state when the model was built (``engine.init_empty()``)."""
-    empty: dict[str, list[str]]
-    """Module path -> names of the parameters and buffers it held on the meta device."""
-    whole_init: bool
-    """True if the model defines ``init_weights()``: replay on the whole model at once."""
+    """The CPU generator's state when the build's first step started."""
+    steps: tuple[Step, ...]
+    places: dict[int, list[tuple[str, str]]]
+    """id of each tensor the model held on the meta device -> its (module path, name)s."""
+    after: dict[tuple[int, int, str], int]
+    """(step, slot) -> id of the tensor the slot held after that step of the build, for a
+    slot the step rebinds."""
+    release_at: dict[int, list[int]]
+    """step -> ids of the tensors no later step needs: set in the model after it."""
 
     @classmethod
-    def of(cls, model: nn.Module, rng_state: torch.Tensor) -> DeferredInit | None:
-        """The record of `model`, or None if nothing in it is on the meta device; refuses a
-        module that could not be initialised (see the module's docstring)."""
-        empty = {
-            path: names
-            for path, module in model.named_modules()
-            if (names := [n for n, t in _own(module).items() if _is_meta(t)])
-        }
-        if not empty:
+    def of(cls, model: nn.Module, record: BuildRecord | None) -> DeferredInit | None:
+        """The replay of `model`'s build, or None if nothing in it is on the meta device;
+        refuses a model that could not start as its whole build (see the module's
+        docstring)."""
+        places: dict[int, list[tuple[str, str]]] = {}
+        for path, module in model.named_modules():
+            for name, tensor in own_tensors(module).items():
+                if _is_meta(tensor):
+                    places.setdefault(id(tensor), []).append((path, name))
+        if not places:
             return None
-        whole_init = callable(getattr(model, "init_weights", None))
-        if not whole_init:
-            for path, names in empty.items():
+        if record is None:
+            raise SetupError(
+                "The model holds tensors on the meta device but was not built inside "
+                "engine.init_empty, so setup cannot know how its build initialises them; "
+                "build it inside `with engine.init_empty():`, or give it values before setup."
+            )
+        _refuse_unreplayable(model, record)
+        steps = list(record.steps)
+        if callable(getattr(model, "init_weights", None)) and model not in record.init_weights_ran:
+            LOGGER.info(
+                "%s's constructor does not call init_weights(); setup calls it after the "
+                "build's own initialisation.",
+                type(model).__name__,
+            )
+            steps.append(InitCall(model, "init_weights", meta_held(model)))
+        after, last = _lifetimes(model, steps)
+        for tid, keys in places.items():
+            if tid not in last:
+                path, name = keys[0]
                 module = model.get_submodule(path)
-                if not callable(getattr(module, "reset_parameters", None)):
-                    raise SetupError(
-                        f"Module '{path or 'model'}' ({type(module).__name__}) was built on the "
-                        f"meta device (engine.init_empty) holding {', '.join(names)} but has no "
-                        f"reset_parameters() to initialise them; {INIT_RULE}, or build the model "
-                        "outside engine.init_empty."
-                    )
-        return cls(rng_state, empty, whole_init)
+                raise SetupError(
+                    f"Module '{path or 'model'}' ({type(module).__name__}) was built on the "
+                    f"meta device (engine.init_empty) holding {name}, which nothing in its "
+                    f"build initialises in a way setup can replay (no reset_parameters() or "
+                    f"init_weights() sets it); {INIT_RULE}, {OUTSIDE}."
+                )
+        release_at: dict[int, list[int]] = {}
+        for tid, k in last.items():
+            release_at.setdefault(k, []).append(tid)
+        return cls(record.rng_state, tuple(steps), places, after, release_at)
 
     def from_first_rank(self) -> DeferredInit:
-        """This record with rank 0's random state (a collective over every process of a
+        """This replay with rank 0's random state (a collective over every process of a
         multi-process job), so that every rank draws the values rank 0 would: the model
         every rank starts from is rank 0's, as when a built model is broadcast."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -124,71 +204,142 @@ class DeferredInit:
 
     @torch.no_grad()
     def initialise(self, model: nn.Module) -> None:
-        """Give the tensors of `model` that were empty, where this rank holds them, the
-        values a whole build would have drawn (what it does not hold is replayed too, to
-        keep the random stream in step, and dropped). The CPU generator is left where the
-        whole build would have left it: at the recorded state advanced by every draw of
-        the build (random numbers drawn between the build and this call are drawn again)."""
+        """Give the tensors of `model` that were on the meta device, where this rank holds
+        them, the values the whole build gives them (what it does not hold is replayed
+        too, to keep the random stream in step, and dropped). The CPU generator is left
+        where the whole build would have left it."""
         torch.set_rng_state(self.rng_state)
-        if self.whole_init:
-            self._replay(model, list(self.empty), model.init_weights)  # type: ignore[operator]
-        else:
-            for path in self.empty:
-                self._replay(model, [path], None)
+        replay = _Replay(self)
+        for k, step in enumerate(self.steps):
+            if isinstance(step, InitOp):
+                replay.op(step)
+            else:
+                replay.call(k, step)
+            for tid in self.release_at.get(k, ()):
+                replay.release(model, tid)
 
-    def _replay(
-        self, model: nn.Module, paths: list[str], then: Callable[[], object] | None
-    ) -> None:
-        """Swap host tensors full of NaN into the modules at `paths`, run their
-        ``reset_parameters()`` in order (then `then`), check each tensor was set, and copy
-        the values into the tensors the modules hold."""
-        modules = {path: model.get_submodule(path) for path in paths}
-        held = {path: {n: _own(modules[path])[n] for n in self.empty[path]} for path in paths}
-        host: dict[int, torch.Tensor] = {}  # one per tensor object: tied weights stay tied
-        for path, tensors in held.items():
-            for name, tensor in tensors.items():
-                if id(tensor) not in host:
-                    host[id(tensor)] = _unset_like(tensor)
-                _put(modules[path], name, host[id(tensor)], tensor)
+
+def _lifetimes(
+    model: nn.Module, steps: list[Step]
+) -> tuple[dict[tuple[int, int, str], int], dict[int, int]]:
+    """For the replay of `steps`: which tensor each slot a call holds is after the call (the
+    one the next call holding that slot found there, or the one the model holds now), and
+    the last step that needs each tensor's value."""
+    later: dict[Slot, int] = {
+        (id(module), name): id(tensor)
+        for module in model.modules()
+        for name, tensor in own_tensors(module).items()
+        if _is_meta(tensor)
+    }
+    after: dict[tuple[int, int, str], int] = {}
+    last: dict[int, int] = {}
+    for k in range(len(steps) - 1, -1, -1):
+        step = steps[k]
+        if isinstance(step, InitOp):
+            for tensor in step.refs():
+                last.setdefault(id(tensor), k)
+            continue
+        for module, name, tensor in step.held:
+            slot = (id(module), name)
+            if slot in later:
+                after[(k, *slot)] = later[slot]
+                last.setdefault(later[slot], k)
+            last.setdefault(id(tensor), k)
+        later.update(((id(m), n), id(t)) for m, n, t in step.held)
+    return after, last
+
+
+class _Replay:
+    """The host tensors of one replay, by the id of the build's tensor they stand for."""
+
+    def __init__(self, deferred: DeferredInit) -> None:
+        self.deferred = deferred
+        self.values: dict[int, torch.Tensor] = {}
+        self.fresh: dict[int, tuple[torch.Tensor, int]] = {}  # made here: (tensor, version)
+
+    def value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The host tensor standing for `tensor`: unset (see `_unset_like`) until written."""
+        if id(tensor) not in self.values:
+            host = _unset_like(tensor)
+            self.values[id(tensor)] = host
+            self.fresh[id(tensor)] = (host, host._version)
+        return self.values[id(tensor)]
+
+    def op(self, step: InitOp) -> None:
+        """Apply a recorded in-place operation to the host tensors."""
+        args = [self.value(a.tensor) if isinstance(a, Ref) else a for a in step.args]
+        kwargs = {
+            k: self.value(v.tensor) if isinstance(v, Ref) else v for k, v in step.kwargs.items()
+        }
+        step.func(*args, **kwargs)
+
+    def call(self, k: int, step: InitCall) -> None:
+        """Run a recorded call with host tensors where its module tree held the build's; a
+        tensor it rebinds stands for the one the build held there next."""
+        swapped = []
+        for module, name, tensor in step.held:
+            host = self.value(tensor)
+            swapped.append((module, name, own_tensors(module).get(name), host))
+            _put(module, name, host)
         try:
-            for module in modules.values():
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-            if then is not None:
-                then()
+            step.run()
         finally:
-            for path, tensors in held.items():
-                for name, tensor in tensors.items():
-                    _put(modules[path], name, tensor, tensor)
-        for path, tensors in held.items():
-            for name, tensor in tensors.items():
-                values = host[id(tensor)]
-                if values.is_floating_point() and values.isnan().any():
-                    raise SetupError(
-                        f"Initialising module '{path or 'model'}' ({type(modules[path]).__name__})"
-                        f" built on the meta device left '{name}' unset; {INIT_RULE}."
-                    )
-                _copy_held(tensor, values)
+            for module, name, before, host in swapped:
+                now = own_tensors(module).get(name)
+                nxt = self.deferred.after.get((k, id(module), name))
+                if now is not None and now is not host and nxt is not None:
+                    self.values[nxt] = now
+                    self.fresh.pop(nxt, None)
+                _put(module, name, before)
+
+    def release(self, model: nn.Module, tid: int) -> None:
+        """Drop the host tensor for `tid`, first setting it where `model` holds it."""
+        values, fresh = self.values.pop(tid, None), self.fresh.pop(tid, None)
+        for path, name in self.deferred.places.get(tid, ()):
+            module = model.get_submodule(path)
+            held = own_tensors(module)[name]
+            where = f"Initialising module '{path or 'model'}' ({type(module).__name__})"
+            untouched = fresh is not None and fresh[0] is values and values._version == fresh[1]
+            if values is None or untouched or _has_nan(values):
+                raise SetupError(
+                    f"{where} built on the meta device left '{name}' unset (setup replays "
+                    "reset_parameters(), init_weights() and torch.nn.init calls, not values "
+                    f"computed in a constructor); {INIT_RULE}, {OUTSIDE}."
+                )
+            if values.shape != held.shape or values.dtype != held.dtype:
+                raise SetupError(
+                    f"{where} built on the meta device gave '{name}' shape "
+                    f"{tuple(values.shape)} {values.dtype} where the model holds "
+                    f"{tuple(held.shape)} {held.dtype}; give it its own shape and dtype."
+                )
+            _copy_held(held, values)
+
+
+def _has_nan(tensor: torch.Tensor) -> bool:
+    return (tensor.is_floating_point() or tensor.is_complex()) and bool(tensor.isnan().any())
 
 
 def _unset_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A whole-size host tensor for `tensor`'s values, NaN where it can be (so a value that
-    initialisation did not set is found), zeros otherwise."""
-    if tensor.is_floating_point():
-        return torch.full(tensor.shape, float("nan"), dtype=tensor.dtype)
-    return torch.zeros(tensor.shape, dtype=tensor.dtype)
-
-
-def _put(module: nn.Module, name: str, value: torch.Tensor, like: torch.Tensor) -> None:
-    """Register `value` as `module`'s parameter or buffer `name` (a parameter as one with
-    `like`'s requires_grad), bypassing the checks of setattr."""
-    if name in module._parameters:
-        if not isinstance(value, nn.Parameter):
-            value = nn.Parameter(value, requires_grad=like.requires_grad)
-        module._parameters[name] = value
+    """A whole-size host tensor for `tensor`'s values (a parameter for a parameter), NaN
+    where the dtype has it, so that a value left unset is found; a tensor of another dtype
+    is found unset by its version counter (no in-place write ever bumped it)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        host = torch.full(tensor.shape, float("nan"), dtype=tensor.dtype)
     else:
-        module._buffers[name] = value
+        host = torch.zeros(tensor.shape, dtype=tensor.dtype)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(host, requires_grad=tensor.requires_grad)
+    return host
+
+
+def _put(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Hold `value` as `module`'s parameter or buffer `name`, bypassing setattr's checks
+    (None: hold nothing there)."""
+    store = module._parameters if name in module._parameters else module._buffers
+    if value is None:
+        store.pop(name, None)
+    else:
+        store[name] = value
 
 
 def _copy_held(tensor: torch.Tensor, values: torch.Tensor) -> None:
@@ -207,13 +358,13 @@ def _copy_held(tensor: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def prepare(
-    model: nn.Module, rng_state: torch.Tensor, places_parts: bool, device: torch.device
+    model: nn.Module, record: BuildRecord | None, places_parts: bool, device: torch.device
 ) -> DeferredInit | None:
-    """At setup, for a model built on the meta device: materialise and initialise it whole
-    on `device` now; or, where the strategy places only this rank's part (`places_parts`),
-    return what it needs to do so part by part. None: nothing left to do (a built model
-    too)."""
-    deferred = DeferredInit.of(model, rng_state)
+    """At setup, for a model built on the meta device (`record`: the build's, if it was
+    built inside ``engine.init_empty()``): materialise and initialise it whole on `device`
+    now; or, where the strategy places only this rank's part (`places_parts`), return what
+    it needs to do so part by part. None: nothing left to do (a built model too)."""
+    deferred = DeferredInit.of(model, record)
     if deferred is None:
         return None
     if places_parts:

@@ -1,0 +1,302 @@
+"""What a model's constructor does to its tensors while it is built on the meta device, kept
+so that setup can do it again with storage (`dtrain.parallel.materialize`).
+
+A build on torch's meta device computes no values. While the model is built inside
+``engine.init_empty()``, a torch function mode (`torch.overrides.TorchFunctionMode`)
+watches every torch call and keeps, in order, each step of the build that gives the
+model's tensors values:
+
+- each call of a module's own initialisation, ``reset_parameters()`` (torch's layers call
+  it from their constructors) or ``init_weights()`` (a model's constructor ends with it;
+  Hugging Face's ``post_init`` calls it), with the tensors its module tree held when it
+  started; a call inside another (``init_weights()`` calling a block's) belongs to the
+  outer one;
+- each in-place operation on a whole tensor outside such a call, with its arguments
+  (torchvision's ResNet draws ``nn.init.kaiming_normal_`` in its constructor).
+
+Setup replays these steps in their order from the random state the block started with,
+which draws exactly the numbers the whole build drew. What cannot be replayed from the
+record is kept as a refusal naming the module whose constructor did it: an in-place write
+through a view (``weight[0].zero_()``) or from a tensor computed during the build, a
+random tensor made there (``nn.Parameter(torch.randn(n))``), a draw from a generator of the
+model's own, and random numbers drawn on the CPU (or a seed set) once the first step has
+begun. What runs in the block before it, a seed or a draw, runs so in a whole build too:
+the replay starts from the generator's state at the first step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+INIT_METHODS = frozenset({"reset_parameters", "init_weights"})
+"""The methods by which a module initialises its own tensors (replayed as calls)."""
+NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
+"""In-place by name, but they set no values."""
+IN_PLACE_OPERATORS = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or")
+) | {"__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
+"""The operators that write their left operand (``x += y``, ``x[i] = y``)."""
+RANDOM_FACTORIES = frozenset(
+    {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson"}
+    | {"rand_like", "randn_like", "randint_like"}
+)
+"""torch functions that make a new tensor of random numbers."""
+
+Held = tuple[tuple[nn.Module, str, torch.Tensor], ...]
+"""(module, name, tensor) for each meta tensor of a module tree at one moment."""
+
+
+def own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers `module` holds itself (not its children's), by name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for store in (module._parameters, module._buffers):
+        tensors.update({name: t for name, t in store.items() if t is not None})
+    return tensors
+
+
+def meta_held(module: nn.Module) -> Held:
+    """Every tensor of `module`'s tree still on the meta device, where it is held now."""
+    return tuple(
+        (sub, name, t)
+        for sub in module.modules()
+        for name, t in own_tensors(sub).items()
+        if t.is_meta
+    )
+
+
+@dataclass(frozen=True)
+class InitCall:
+    """A call of ``module.<method>(*args, **kwargs)`` seen during the build."""
+
+    module: nn.Module
+    method: str
+    held: Held
+    """The meta tensors of the module's tree when the call started, where they were held."""
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def run(self) -> None:
+        """Call it again."""
+        getattr(self.module, self.method)(*self.args, **self.kwargs)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An argument of an `InitOp` that is a tensor of the build: its value at replay."""
+
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class InitOp:
+    """An in-place ``func(*args, **kwargs)`` on a whole tensor outside any `InitCall`, every
+    tensor of the build among its arguments (the one it writes first) as a `Ref`."""
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def refs(self) -> list[torch.Tensor]:
+        """The tensors of the build it reads or writes."""
+        return [a.tensor for a in (*self.args, *self.kwargs.values()) if isinstance(a, Ref)]
+
+
+Step = InitCall | InitOp
+
+
+@dataclass(frozen=True)
+class Unreplayable:
+    """A step of the build that setup cannot do again."""
+
+    owner: nn.Module | None
+    """The module whose constructor did it (None: code outside any constructor)."""
+    what: str
+
+
+@dataclass
+class BuildRecord:
+    """The record of one ``engine.init_empty()`` block."""
+
+    rng_state: torch.Tensor
+    """The CPU generator's state when the build's first step started (what ran in the
+    block before it, a seed or a draw, runs so in a whole build too)."""
+    steps: list[Step] = field(default_factory=list)
+    init_weights_ran: set[nn.Module] = field(default_factory=set)
+    """Every module whose ``init_weights()`` ran, as a step or inside one."""
+    unreplayable: list[Unreplayable] = field(default_factory=list)
+    drew_on_cpu: bool = False
+    """True if the CPU generator moved once the first step had started (a real tensor drew
+    from it, or a seed was set): the steps after cannot draw as the whole build does."""
+
+
+def _writes(name: str) -> bool:
+    """Whether a torch function of this name writes its first argument in place."""
+    if name.startswith("__"):
+        return name in IN_PLACE_OPERATORS
+    return name.endswith("_") and name not in NOT_WRITES
+
+
+def _arguments(frame: FrameType) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments, after ``self``, that the method running in `frame` was called with
+    (as its locals hold them now)."""
+    code, local = frame.f_code, frame.f_locals
+    names = code.co_varnames
+    positional = code.co_argcount
+    keywords = names[positional : positional + code.co_kwonlyargcount]
+    args = tuple(local[n] for n in names[1:positional])
+    kwargs = {n: local[n] for n in keywords}
+    rest = positional + code.co_kwonlyargcount
+    if code.co_flags & inspect.CO_VARARGS:
+        args += tuple(local[names[rest]])
+        rest += 1
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs.update(local[names[rest]])
+    return args, kwargs
+
+
+class _Recorder(TorchFunctionMode):
+    """Keeps the steps of a build in `record` (see the module's docstring). Frames that were
+    on the stack when recording started (the script's own, which may sit in a method of the
+    same names) are not part of the build."""
+
+    def __init__(self, record: BuildRecord, outside: set[FrameType]) -> None:
+        super().__init__()
+        self.record = record
+        self.outside = outside
+        self.call: FrameType | None = None  # the frame of the InitCall being recorded
+        self.known: dict[int, torch.Tensor] = {}  # tensors whose values the replay holds
+        self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (alias, base)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        self._note(func, args, kwargs, result)
+        return result
+
+    def _frames(self) -> Iterator[FrameType]:
+        frame = inspect.currentframe()
+        while frame is not None and frame not in self.outside:
+            yield frame
+            frame = frame.f_back
+
+    def _note(self, func: Callable[..., Any], args: tuple, kwargs: dict, result: Any) -> None:
+        name = getattr(func, "__name__", "")
+        values = [*args, *kwargs.values()]
+        if any(isinstance(v, torch.Generator) for v in values):
+            self._refuse(f"{name} with a generator of its own")
+        outer = None
+        for frame in self._frames():
+            module = frame.f_locals.get("self") if frame.f_code.co_name in INIT_METHODS else None
+            if isinstance(module, nn.Module):
+                if frame.f_code.co_name == "init_weights":
+                    self.record.init_weights_ran.add(module)
+                outer = (frame, module)
+        if outer is not None:
+            self._in_call(*outer)
+            return
+        self.call = None
+        # torch.nn.init's functions that are torch functions take the tensor by keyword.
+        target = args[0] if args else kwargs.get("tensor")
+        target = target if isinstance(target, torch.Tensor) else None
+        if name in RANDOM_FACTORIES and isinstance(result, torch.Tensor) and result.is_meta:
+            self._refuse(f"torch.{name}")
+        elif target is None or not target.is_meta:
+            return
+        elif name == "detach" or getattr(func, "__self__", None) is torch.Tensor.data:
+            self.aliases[id(result)] = (result, self._base(target))
+        elif isinstance(kwargs.get("out"), torch.Tensor) and kwargs["out"].is_meta:
+            self._refuse(f"{name} with out=")
+        elif _writes(name):
+            self._in_place(func, name, target, args, kwargs)
+
+    def _in_call(self, frame: FrameType, module: nn.Module) -> None:
+        if frame is self.call:
+            return
+        self.call = frame  # held until the next step: its id is not reused meanwhile
+        args, kwargs = _arguments(frame)
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in (*args, *kwargs.values())):
+            self._refuse(f"{frame.f_code.co_name}() given a tensor of the build")
+        call = InitCall(module, frame.f_code.co_name, meta_held(module), args, kwargs)
+        self.known.update((id(t), t) for _, _, t in call.held)
+        self._append(call)
+
+    def _in_place(
+        self, func: Callable[..., Any], name: str, target: torch.Tensor, args: tuple, kwargs: dict
+    ) -> None:
+        if target._base is not None:  # no public test of "is a view"
+            self._refuse(f"{name} through a view")
+            return
+        base = self._base(target)
+        self.known[id(base)] = base
+        resolved = tuple(self._argument(name, a, target) for a in args)
+        named = {k: self._argument(name, v, target) for k, v in kwargs.items()}
+        self._append(InitOp(func, resolved, named))
+
+    def _append(self, step: Step) -> None:
+        if not self.record.steps:
+            self.record.rng_state = torch.get_rng_state()
+        self.record.steps.append(step)
+
+    def _argument(self, name: str, value: Any, target: torch.Tensor) -> Any:
+        if value is target:
+            return Ref(self._base(target))
+        if isinstance(value, (tuple, list)):
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in value):
+                self._refuse(f"{name} indexed by a tensor computed in the constructor")
+            return value
+        if not isinstance(value, torch.Tensor) or not value.is_meta:
+            return value
+        base = self._base(value)
+        if id(base) not in self.known:
+            self._refuse(f"{name} from a tensor computed in the constructor")
+        return Ref(base)
+
+    def _base(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor `tensor` is a whole alias of (``.data``, ``.detach()``), or itself."""
+        alias = self.aliases.get(id(tensor))
+        return alias[1] if alias is not None and alias[0] is tensor else tensor
+
+    def _refuse(self, what: str) -> None:
+        owner = None
+        for frame in self._frames():
+            module = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+            if isinstance(module, nn.Module):
+                owner = module
+                break
+        self.record.unreplayable.append(Unreplayable(owner, what))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[BuildRecord]:
+    """Build on the meta device inside this block; the record it yields is filled as the
+    block runs (complete when it ends)."""
+    record = BuildRecord(torch.get_rng_state())
+    outside: set[FrameType] = set()
+    frame = inspect.currentframe()
+    while frame is not None:
+        outside.add(frame)
+        frame = frame.f_back
+    recorder = _Recorder(record, outside)
+    try:
+        with torch.device("meta"), recorder:
+            yield record
+    finally:
+        outside.clear()  # frames and the last call's locals are not kept past the block
+        recorder.call = None
+        record.drew_on_cpu = not torch.equal(torch.get_rng_state(), record.rng_state)
