@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             "config.py", "config_file.py", "collectives.py", "batches.py", "position.py",
             "optimizers.py", "precision.py", "lr.py", "data.py", "streams.py", "teardown.py",
-            "topology.py", "models/", "datasets/", "tasks.py", "config_rules/",
+            "topology.py", "models/", "datasets/", "tasks.py", "config_rules/", "resumable.py",
         },
     ),
     (

@@ -106,7 +106,7 @@ class Checkpoints(Observer):
 
         Args:
             path: the checkpoint directory; replaced atomically if it exists.
-            epoch: the epoch to record (default: the one `progress` is in).
+            epoch: the epoch to record (default: the one the training loader is in).
             extra: more manifest fields (JSON values).
             keep: once the checkpoint is complete, delete all but the newest `keep`
                 checkpoints beside it (the main rank does; no other rank reads them).
@@ -196,7 +196,8 @@ class Checkpoints(Observer):
         """Load a checkpoint written under any strategy and world size; return its manifest.
 
         Restores the model, the optimizer (if given to setup), the step count, the data
-        position (the next `progress` calls skip what was trained) and each rank's RNG
+        position (the training loader's next pass, in any loop, skips what was trained,
+        whether the loader was made before or after the load) and each rank's RNG
         state. `path` may also be a plain PyTorch or safetensors file (a state_dict, one
         under a key such as ``state_dict``, ``module.``/``_orig_mod.`` names): then only
         the model is loaded. With strict=False, tensors that do not fit are skipped (and
@@ -280,7 +281,9 @@ class Checkpoints(Observer):
         where = self.position
         where.step = int(trainer.get("step", manifest["step"]))
         where.epoch = int(trainer.get("epoch", manifest["epoch"]))
-        where.resume_at = (where.epoch, int(trainer.get("samples_in_epoch", 0)))
+        # Also what a save before the loader's next pass records.
+        where.samples_in_epoch = int(trainer.get("samples_in_epoch", 0))
+        where.resume_at = (where.epoch, where.samples_in_epoch)
         where.shuffle_seed = trainer.get("shuffle_seed")
         if self.loss_scaling is not None and "loss_scaler" in trainer:
             self.loss_scaling.load_state_dict(trainer["loss_scaler"])
@@ -332,7 +335,7 @@ class CheckpointSide:
 
         Args:
             path: the checkpoint directory; replaced atomically if it exists.
-            epoch: the epoch to record (default: the one `progress` is in).
+            epoch: the epoch to record (default: the one the training loader is in).
             extra: more manifest fields (JSON values).
             keep: once it is complete, delete all but the newest `keep` checkpoints
                 beside it.

@@ -1,11 +1,11 @@
 """The Engine's data side: loaders that give each data-parallel worker its share of every
 global batch (of a map-style dataset here, of a stream in `dtrain.streams`, of shard files
-in `dtrain.shard_files`), and the epochs it iterates with a progress bar, resuming
-mid-epoch."""
+in `dtrain.shard_files`) and resume mid-epoch after a load whatever loop reads them
+(`dtrain.resumable`), and the epochs `engine.progress` iterates with a progress bar."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.progress import Throughput, track
 from dtrain.observe.timing import RunTiming
 from dtrain.position import Position
+from dtrain.resumable import ResumableLoader, Share
 from dtrain.rng import drawn_seed
 from dtrain.shard_files import ShardFiles
 from dtrain.shard_share import shard_share
@@ -68,12 +69,12 @@ class Feeder:
         seed: int,
         collective_forward: bool = False,
         **loader_kwargs: Any,
-    ) -> DataLoader:
-        """A DataLoader over this worker's share of each global batch (see
-        `Engine.dataloader`); `collective_forward`: the strategy's forward is a collective
-        over the data-parallel workers."""
+    ) -> ResumableLoader:
+        """A DataLoader over this worker's share of each global batch, which resumes after
+        a load (see `Engine.dataloader`); `collective_forward`: the strategy's forward is a
+        collective over the data-parallel workers."""
         batch_size = per_worker_batch(batch_size, global_batch_size, self.dp_size)
-        share: ShardedBatchSampler | StreamShare
+        share: Share
         if isinstance(dataset, ShardFiles) and drop_last:
             # Evaluation (no drop_last) reads them as the map-style dataset they also are.
             share = shard_share(
@@ -112,8 +113,18 @@ class Feeder:
         loader_kwargs = loader_defaults(loader_kwargs, self.device)
         if isinstance(share, StreamShare):
             # Each reader yields whole collated batches of its own.
-            return DataLoader(share, batch_size=None, collate_fn=as_is, **loader_kwargs)
-        return DataLoader(dataset, batch_sampler=share, **loader_kwargs)
+            return ResumableLoader(
+                share,
+                share,
+                self.position,
+                drop_last,
+                batch_size=None,
+                collate_fn=as_is,
+                **loader_kwargs,
+            )
+        return ResumableLoader(
+            dataset, share, self.position, drop_last, batch_sampler=share, **loader_kwargs
+        )
 
     def epoch(
         self,
@@ -125,52 +136,36 @@ class Feeder:
         finish: Callable[[], object] | None = None,
     ) -> Iterator[Any]:
         """The batches of `epoch` that are still to train, with a progress bar showing
-        `loss()`; selects the epoch's shuffle and, after a load, skips what the checkpoint
-        had already trained (whole epochs, then the batches of the epoch it stopped in).
-        `waited` is told each wait for a batch, `finish` called after the last (see
-        `track`)."""
-        sampler = loader.batch_sampler
-        if isinstance(loader.dataset, StreamShare):
-            sampler = loader.dataset
-        sharded = isinstance(sampler, (ShardedBatchSampler, StreamShare))
-        if not sharded:
-            self._warn_if_unsharded(loader)
-        skip = 0
-        where = self.position
-        if where.resume_at is not None:
-            resume_epoch, resume_samples = where.resume_at
-            if epoch < resume_epoch:
+        `loss()`. An `engine.dataloader` loader selects the epoch's shuffle and, after a
+        load, skips what the checkpoint had already trained (whole epochs, then the batches
+        of the epoch it stopped in: `ResumableLoader.begin`); another loader can only skip
+        whole epochs. `waited` is told each wait for a batch, `finish` called after the
+        last (see `track`)."""
+        batches: Iterable[Any]
+        if isinstance(loader, ResumableLoader):
+            begun = loader.begin(epoch, tracked=True)
+            if begun is None:
                 return
-            if sharded and sampler.shuffle and where.shuffle_seed is not None:
-                sampler.seed = where.shuffle_seed  # the checkpoint's order, skipped below
-            if epoch == resume_epoch and sharded:
-                skip = resume_samples // sampler.global_batch_size
-            where.resume_at = None
-        per_step = (loader.batch_size or 0) * self.dp_size
-        if sharded:
-            sampler.set_epoch(epoch, skip=skip)
-            per_step = sampler.global_batch_size
-            where.shuffle_seed = sampler.seed if sampler.shuffle else None
-        where.epoch = epoch
-        where.samples_in_epoch = skip * per_step
-        where.samples_per_step = per_step
-        try:
-            yield from track(
-                loader,
-                total=None if (batches := _length(loader)) is None else batches - skip,
-                samples_per_item=per_step,
-                throughput=self.throughput,
-                loss=loss,
-                desc=desc,
-                enabled=self.is_main,
-                waited=waited,
-                finish=finish,
-            )
-        finally:
-            if skip and isinstance(sampler, StreamShare):
-                # The readers read the skip when they start; a later pass over the loader
-                # (outside progress) reads the whole epoch, as a sampler's would.
-                sampler.set_epoch(epoch)
+            batches, skip = begun
+            per_step = loader.share.global_batch_size
+        else:
+            self._warn_if_unsharded(loader)
+            if self.position.take_resume(epoch, chosen=True) is None:
+                return
+            batches, skip = loader, 0
+            per_step = (loader.batch_size or 0) * self.dp_size
+            self.position.enter(epoch, 0, per_step, self.position.shuffle_seed)
+        yield from track(
+            batches,
+            total=None if (length := _length(loader)) is None else length - skip,
+            samples_per_item=per_step,
+            throughput=self.throughput,
+            loss=loss,
+            desc=desc,
+            enabled=self.is_main,
+            waited=waited,
+            finish=finish,
+        )
 
     def _warn_if_unsharded(self, loader: Any) -> None:
         """Warn once if the data-parallel workers would all read every sample."""
@@ -201,8 +196,17 @@ class DataSide:
         *,
         global_batch_size: int | None = None,
         **loader_kwargs: Any,
-    ) -> DataLoader:
-        """A loader giving this worker its share of each global batch.
+    ) -> ResumableLoader:
+        """A loader giving this worker its share of each global batch, one epoch per pass,
+        which resumes by itself after `load` or `resume`, whatever loop reads it.
+
+        Each pass (``for batch in loader``, ``iter``/``next``, `progress`) reads the next
+        epoch, with that epoch's shuffle; ``loader.set_epoch(epoch)`` or
+        ``progress(loader, epoch)`` chooses it instead. A training loader (drop_last)
+        records where it stands for `save`; after a load its next pass continues the
+        checkpoint's epoch after the samples it had trained, whether it was made before
+        or after the load (loop over epochs from `engine.epoch`; a chosen epoch the
+        checkpoint had finished reads nothing). See `dtrain.resumable`.
 
         Args:
             dataset: a map-style dataset of (input, target) samples, or a stream (an
@@ -213,7 +217,7 @@ class DataSide:
                 `dtrain.streams`). Or a `dtrain.ShardFiles`: shard files in P partitions,
                 global batch t taking B/P samples of each partition's seeded order, so that
                 a worker opens only the files of its own partitions (see
-                `dtrain.shard_files`). After `load`, `progress` skips the trained samples.
+                `dtrain.shard_files`).
             batch_size: samples per worker per step; the global batch is this times
                 `engine.dp_size`.
             global_batch_size: instead of `batch_size`, the samples of one step over all
@@ -252,8 +256,9 @@ class DataSide:
         """Iterate `loader` for `epoch`, with a progress bar on the main rank.
 
         Selects the epoch's shuffle, and after `load` skips what the checkpoint had
-        already trained (whole epochs, then the batches of the epoch it stopped in). The
-        loader's workers and pinning feed the end-of-run advice on a data-bound step.
+        already trained (whole epochs, then the batches of the epoch it stopped in; the
+        loader does, once, so a plain pass over it after this one skips nothing again).
+        The loader's workers and pinning feed the end-of-run advice on a data-bound step.
         """
         self.timing.reads_from(loader, self.topology.local_world_size)
         yield from self._feeder.epoch(

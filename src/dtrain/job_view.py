@@ -40,7 +40,8 @@ class JobView:
 
     @property
     def epoch(self) -> int:
-        """The epoch `progress` is in (restored by `load`)."""
+        """The epoch training is in: the training loader's pass, in any loop (restored
+        by `load`)."""
         return self.position.epoch
 
     @property
