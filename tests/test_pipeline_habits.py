@@ -18,7 +18,7 @@ from training import finish
 
 import dtrain
 from dtrain.parallel.schedule import untouched
-from dtrain.parallel.split import Stage, check_stages, layers_of, split_layers
+from dtrain.parallel.split import Stage, check_stages, layers_of, layout_of, split_layers
 
 VOCAB, DIM, CONTEXT = 32, 8, 6
 SPLIT = ["transformer.h.1"]  # embeddings and one block, then a block and the head
@@ -210,7 +210,7 @@ def test_stage_names_ties_and_refusals() -> None:
         "transformer.h.0.fc.weight", "transformer.h.0.fc.bias",
     }  # fmt: skip
     assert "lm_head.weight" in stages[1].state_dict()
-    assert stages[1].model_names == {"lm_head.weight": "transformer.wte.weight"}
+    assert layout_of(stages[1]).model_names == {"lm_head.weight": "transformer.wte.weight"}
     [tie] = check_stages(model, stages, 2)
     assert tie.names == {0: "transformer.wte.weight", 1: "lm_head.weight"}
     with pytest.raises(dtrain.ConfigError, match="same pipeline rank"):

@@ -14,11 +14,16 @@ Three shapes of batch, the same under every strategy:
 
 Every tensor with at least one dimension is cut along dim 0, so all of them must share
 that size (the batch's samples); 0-d tensors and other values go whole to every part.
+
+Under a pipeline the first stage takes the inputs and the last computes the loss, so a
+batch is taken apart (`pipeline_parts`): a pair as above, or a dict batch for a model
+that computes its own loss (a Hugging Face model split by its pp plan, `DictFeed`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -137,6 +142,73 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[
     """(the model's output on `batch`, the batch's mean loss)."""
     output = call_model(model, batch)
     return output, batch_loss(output, batch, loss_fn)
+
+
+@dataclass(frozen=True)
+class DictFeed:
+    """How a dict batch drives a pipeline whose model computes its own loss: which key the
+    first stage takes, which keys every stage is given, and the loss on the last stage's
+    output and the targets."""
+
+    inputs: str
+    """The key of the first stage's input (``input_ids``)."""
+    targets: str
+    """The key of the targets the loss is computed against (``labels``)."""
+    extras: tuple[str, ...]
+    """Keys every stage is given besides the activation (``attention_mask``)."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """The model's own loss: ``loss(last stage's output, targets)``, a batch mean."""
+    model: str
+    """The model's class, for messages."""
+
+
+PipelineParts = tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], LossFn | None]
+
+
+def pipeline_parts(
+    batch: Any, loss_fn: LossFn | None, feed: DictFeed | None, training: bool = True
+) -> PipelineParts:
+    """(the first stage's input, the targets, what every stage is given besides, the loss
+    function) of `batch` under a pipeline: an ``(inputs, targets)`` pair with `loss_fn`,
+    or a dict batch fed by `feed` with the model's own loss. Outside `training` the
+    targets and the loss may be missing (None). Refuses by name what a pipeline cannot
+    honour."""
+    if is_pair(batch) and (loss_fn is not None or not training):
+        inputs, targets = batch
+        return inputs, targets, {}, loss_fn
+    if not isinstance(batch, Mapping) or feed is None:
+        raise SetupError(
+            "Under a pipeline the last stage computes the loss from its output and the "
+            "targets, so engine.train_step needs an (inputs, targets) batch of tensors and "
+            "a loss_fn(output, targets). Dict batches whose loss the model computes itself "
+            "run split only for Hugging Face causal LMs split by their pp plan; other "
+            "models run under the other strategies (ddp, zero3, tensor, ...)."
+        )
+    if loss_fn is not None:
+        raise SetupError(
+            f"Under a pipeline, {feed.model} computes its own loss on the last stage from "
+            f"the batch's {feed.targets!r}; call engine.train_step(batch) without a loss_fn "
+            "(or pass (inputs, targets) pairs with your loss_fn)."
+        )
+    known = (feed.inputs, feed.targets, *feed.extras)
+    unknown = [key for key in batch if key not in known]
+    needed = [feed.inputs, feed.targets] if training else [feed.inputs]
+    missing = [key for key in needed if batch.get(key) is None]
+    if unknown or missing:
+        problem = (
+            f"has {', '.join(map(repr, unknown))}, which it cannot honour (no cache, no "
+            "position ids or embeddings of your own)"
+            if unknown
+            else f"lacks {', '.join(map(repr, missing))}"
+        )
+        raise SetupError(
+            f"Under a pipeline, a dict batch for {feed.model} gives {feed.inputs!r} to the "
+            f"first stage, {', '.join(map(repr, feed.extras))} to every stage and "
+            f"{feed.targets!r} to the loss on the last stage; this batch {problem}. Give "
+            "only those keys."
+        )
+    extras = {key: batch[key] for key in feed.extras if batch.get(key) is not None}
+    return batch[feed.inputs], batch.get(feed.targets), extras, feed.loss
 
 
 def check_batch(global_batch: int, dp_size: int, splits: int, grad_accumulation: int) -> int:

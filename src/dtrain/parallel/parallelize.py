@@ -35,10 +35,20 @@ from dtrain.parallel.compression import cast_dtype
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.device_mesh import ParallelMesh
+from dtrain.parallel.hf_pipeline import hf_feed
 from dtrain.parallel.hierarchical import host_groups
 from dtrain.parallel.materialize import materialize
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
-from dtrain.parallel.split import Stage, Tie, check_stages, layers_of, split_layers
+from dtrain.parallel.split import (
+    Stage,
+    Tie,
+    check_stages,
+    from_pp_plan,
+    joined,
+    layers_of,
+    layout_of,
+    split_layers,
+)
 from dtrain.parallel.tensor_plan import apply_tp, plan_of
 
 
@@ -112,11 +122,7 @@ def parallelize(
         if shard is None:
             materialize(unit, device)
             unit.to(device)
-    local = (
-        Stage([layer for s in sorted(stages) for layer in stages[s].layers], model)
-        if stages
-        else model
-    )
+    local = joined([stages[s] for s in sorted(stages)], model) if stages else model
     # 3b. activation checkpointing, on the whole model's blocks (those of this rank's stages
     # included), so selective picks the same blocks under every layout.
     apply_activation_checkpointing(model, config.activation_checkpointing, config.blocks)
@@ -157,6 +163,7 @@ def parallelize(
         mesh.group("pp"),
         device,
         ties,
+        hf_feed(model) if from_pp_plan(model) else None,
     )
     return Parallelized(PipelineModel(local, pipeline), local, pipeline)
 
@@ -169,7 +176,7 @@ def _blocks(units: list[nn.Module], config: Config) -> list[list[nn.Module]]:
     return [
         self_contained(
             unit,
-            [unit.get_submodule(path) for path in unit.paths]
+            [unit.get_submodule(path) for path in layout_of(unit).paths]
             if isinstance(unit, Stage)
             else find_blocks(unit, config.blocks),
         )

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtrain.batches import DictFeed, pipeline_parts
 from dtrain.errors import SetupError
 from dtrain.parallel.relay import relay_forward
 from dtrain.parallel.split import Tie
@@ -31,6 +32,15 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _laid_out_as(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """`grad` laid out as `param` is. A tensor-parallel embedding's weight sharded like
+    the head it is tied to may get a replicated gradient; its shard is cut out locally."""
+    placed = isinstance(grad, DTensor) and isinstance(param, DTensor)
+    if placed and grad.placements != param.placements:  # type: ignore[union-attr]
+        return grad.redistribute(param.device_mesh, param.placements)  # type: ignore[union-attr]
+    return grad
 
 
 class TiedWeights:
@@ -108,13 +118,14 @@ class TiedWeights:
         """Give every copy the sum of the copies' gradients (once a step, after the last
         micro-batch's backward and the data-parallel reduction, before clipping)."""
         for i, param in enumerate(self._params()):
-            grad = None if param is None or param.grad is None else _local(param.grad)
-            total = self._sum(i, grad)
+            grad = None if param is None else _laid_out_as(param, param.grad)
+            total = self._sum(i, None if grad is None else _local(grad))
             if param is None:
                 continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            _local(param.grad).copy_(total)
+            if grad is None:
+                grad = torch.zeros_like(param)
+            _local(grad).copy_(total)
+            param.grad = grad
 
     def copies(self) -> list[nn.Parameter]:
         """This rank's copies whose gradient another rank counts in the norm for clipping
@@ -135,6 +146,7 @@ class Pipeline:
         group: dist.ProcessGroup,
         device: torch.device,
         ties: list[Tie] | None = None,
+        feed: DictFeed | None = None,
     ) -> None:
         self.modules = stages
         self.num_stages = num_stages
@@ -143,6 +155,8 @@ class Pipeline:
         self.rank = dist.get_rank(group)
         self.last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
         self.has_last = (num_stages - 1) in stages
+        self.feed = feed
+        """How a dict batch drives the stages, for a model that computes its own loss."""
         self._loss_fn: LossFn | None = None
         self._scaling: LossScaling | None = None
         self._shape: torch.Size | None = None
@@ -178,10 +192,12 @@ class Pipeline:
         targets: torch.Tensor,
         loss_fn: LossFn,
         scaling: LossScaling | None = None,
+        extras: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one batch through every stage, the loss times the loss
         scale of `scaling` (fp16-mixed) if given; the batch's mean loss (a float64 scalar
-        on the device, not read back), on every rank of the pipeline."""
+        on the device, not read back), on every rank of the pipeline. `extras` (N, ...)
+        tensors are cut into micro-batches like the inputs and given to every stage."""
         if inputs.shape[0] % self.microbatches:
             raise SetupError(
                 f"A batch of {inputs.shape[0]} sample(s) cannot be cut into --microbatches "
@@ -203,7 +219,9 @@ class Pipeline:
         # the first step. return_outputs=False: the last stage frees each micro-batch's
         # output after its backward instead of keeping all M for a merged result.
         losses: list[torch.Tensor] = []
-        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        self.schedule.step(
+            inputs, target=targets, losses=losses, return_outputs=False, **(extras or {})
+        )
         if not self._accumulating:
             self.tied.sum_gradients()
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
@@ -234,24 +252,34 @@ class Pipeline:
 
 
 class PipelineModel(nn.Module):
-    """What `engine.setup` returns under a pipeline: this rank's layers (``local``, with
-    canonical names) and a forward that relays a batch through all stages, for evaluation.
+    """What `engine.setup` returns under a pipeline: this rank's layers (with canonical
+    names) and a forward that relays a batch through all stages, for evaluation.
 
     Training goes through `engine.train_step`, whose schedule runs forward and backward.
+    Its own attributes carry dtrain's prefix, clear of any name the model uses.
     """
 
     def __init__(self, local: nn.Module, pipeline: Pipeline) -> None:
         super().__init__()
-        self.local = local
-        self.pipeline = pipeline
+        self._dtrain_local = local
+        self._dtrain_pipeline = pipeline
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The last stage's output for `x`, on every rank (no gradient)."""
+    def forward(self, *args: Any, **batch: Any) -> Any:
+        """The last stage's output for ``model(x)``, on every rank (no gradient). Called
+        with a dict batch (``model(**batch)``) of a model that computes its own loss, a
+        dict of its ``logits`` and, given the targets, its ``loss``."""
         if torch.is_grad_enabled():
             raise SetupError(
                 "Under a pipeline, forward and backward of training run inside "
                 "engine.train_step(batch, loss_fn); call the model directly only under "
                 "torch.no_grad() (evaluation), or use engine.evaluate."
             )
-        p = self.pipeline
-        return relay_forward(x, p.modules, p.num_stages, p.group)
+        p = self._dtrain_pipeline
+        if not batch:
+            (x,) = args
+            return relay_forward(x, p.modules, p.num_stages, p.group)
+        inputs, targets, extras, loss = pipeline_parts(batch, None, p.feed, training=False)
+        logits = relay_forward(inputs, p.modules, p.num_stages, p.group, extras)
+        if targets is None or loss is None:
+            return {"logits": logits}
+        return {"logits": logits, "loss": loss(logits, targets)}

@@ -53,10 +53,15 @@ def _broadcast(
 
 @torch.no_grad()
 def relay_forward(
-    x: torch.Tensor, stages: dict[int, nn.Module], num_stages: int, group: dist.ProcessGroup
+    x: torch.Tensor,
+    stages: dict[int, nn.Module],
+    num_stages: int,
+    group: dist.ProcessGroup,
+    extras: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run `x` through every stage (stage s lives on pipeline rank s mod P); every rank
-    returns the last stage's output. `stages` maps this rank's stage indices to modules."""
+    """Run `x` through every stage (stage s lives on pipeline rank s mod P), each stage
+    also given `extras` (every rank holds the batch); every rank returns the last stage's
+    output. `stages` maps this rank's stage indices to modules."""
     size = dist.get_world_size(group)
     me = dist.get_rank(group)
     to_global = lambda r: dist.get_global_rank(group, r)  # noqa: E731
@@ -66,7 +71,7 @@ def relay_forward(
             continue
         if s > 0 and (s - 1) % size != me:
             x = _recv(to_global((s - 1) % size), group, device)
-        x = stages[s](x)
+        x = stages[s](x, **(extras or {}))
         if s < num_stages - 1 and (s + 1) % size != me:
             _send(x, to_global((s + 1) % size), group)
     last = (num_stages - 1) % size

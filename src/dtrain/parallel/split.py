@@ -1,9 +1,12 @@
 """Cut a model into pipeline stages: which layers, how balanced, under which names.
 
-A model can be split when its forward is a chain of layers: an `nn.Sequential`, or any
+A model can be split when its forward is a chain of layers: an `nn.Sequential`, any
 module with a ``pipeline_layers()`` method returning ``[(name, module), ...]`` such that
 ``model(x)`` equals applying the modules in order (names are the modules' qualified
-names in the model, so checkpoints keep their canonical names). The bundled GPT has one.
+names in the model, so checkpoints keep their canonical names), a Hugging Face causal
+LM whose config carries a pipeline plan (`dtrain.parallel.hf_pipeline`), or one of
+torchtitan's decoders (`dtrain.parallel.titan_pipeline`). The bundled GPT has a
+``pipeline_layers()``.
 """
 
 from __future__ import annotations
@@ -17,8 +20,17 @@ from torch import nn
 
 from dtrain.checkpoint.optimizer_state import parameter_names
 from dtrain.errors import ConfigError
+from dtrain.parallel.hf_pipeline import has_pp_plan, hf_layers
+from dtrain.parallel.titan_pipeline import is_titan_decoder, titan_layers
 
 Layer = tuple[str, nn.Module]
+
+
+def from_pp_plan(model: nn.Module) -> bool:
+    """True if `model`'s chain is read from its Hugging Face pipeline plan (it has no chain
+    of its own: neither an `nn.Sequential` nor a ``pipeline_layers()``)."""
+    own = isinstance(model, nn.Sequential) or callable(getattr(model, "pipeline_layers", None))
+    return not own and has_pp_plan(model)
 
 
 def layers_of(model: nn.Module) -> list[Layer]:
@@ -27,19 +39,25 @@ def layers_of(model: nn.Module) -> list[Layer]:
         chain = list(model.named_children())
     elif callable(getattr(model, "pipeline_layers", None)):
         chain = list(model.pipeline_layers())  # type: ignore[operator]
+    elif from_pp_plan(model):
+        chain = hf_layers(model)
+    elif is_titan_decoder(model):
+        chain = titan_layers(model)
     else:
         raise ConfigError(
             f"Pipeline parallelism cuts a model into a chain of layers, but "
             f"{type(model).__name__} is neither an nn.Sequential nor has a pipeline_layers() "
-            "method. Add `def pipeline_layers(self): return [(name, module), ...]` listing, in "
-            "forward order, submodules whose composition is the forward (see the bundled GPT "
-            "and docs/strategies.md)."
+            "method (nor is it a Hugging Face model with a pipeline plan, or a torchtitan "
+            "decoder). Add `def "
+            "pipeline_layers(self): return [(name, module), ...]` listing, in forward "
+            "order, submodules whose composition is the forward (see the bundled GPT and "
+            "docs/strategies.md)."
         )
     covered = {id(p) for _, layer in chain for p in layer.parameters()}
     missing = [n for n, p in model.named_parameters() if id(p) not in covered]
     if missing:
         raise ConfigError(
-            f"pipeline_layers() of {type(model).__name__} leaves out parameter(s) "
+            f"The pipeline layers of {type(model).__name__} leave out parameter(s) "
             f"{', '.join(missing[:5])}; every parameter must belong to one listed layer."
         )
     return chain
@@ -143,6 +161,35 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+@dataclass
+class StageLayout:
+    """What a :class:`Stage` runs and where it holds the model's tensors.
+
+    Kept in one attribute with dtrain's prefix (read it with :func:`layout_of`) rather than
+    in attributes of the stage: a stage hosts the model's modules under their own names,
+    and no name a model may use (``layers``, ``paths``, ...) may already be taken there.
+    """
+
+    layers: list[Layer]
+    """(name, module) of each layer, in forward order."""
+    paths: list[str]
+    """Where the stage holds the model's modules (its blocks for data parallelism)."""
+    model_names: dict[str, str]
+    """Stage name -> model name of the parameters the model names otherwise (the second
+    name of a tied weight: ``lm_head.weight`` for ``wte.weight``)."""
+    roots: list[tuple[nn.Module, str, str]]
+    """(module of a layer, its attribute, the model's name) of each tensor that the model
+    holds at its root and a layer registered as its own (torchtitan's ``freqs_cis``)."""
+    model: nn.Module | None
+    """The model the stage was cut from, where it has `roots`: its root tensors follow
+    the stage's moves."""
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The layers' names, in forward order."""
+        return [name for name, _ in self.layers]
+
+
 class Stage(nn.Module):
     """Some layers of a chain, run in order, holding the model's modules they use under
     their paths in the whole model.
@@ -150,48 +197,106 @@ class Stage(nn.Module):
     Its ``state_dict`` therefore uses the canonical names: a stage holding ``blocks.3``
     has parameters ``blocks.3.attn.q.weight``, as the unsplit model does, and a stage
     whose layer is a wrapper ``_Embed(model.wte, model.wpe)`` holds ``wte.weight`` and
-    ``wpe.weight``. Without `model`, the layers' names are taken as their paths.
+    ``wpe.weight``. A tensor the model holds at its root that a wrapper registered as its
+    own (a rotary table: ``self.register_buffer("freqs_cis", model.freqs_cis)``) is held
+    under the model's name, and the wrapper is handed the stage's tensor whenever the
+    stage is moved or cast. Without `model`, the layers' names are taken as their paths.
+    The stage has no attribute of its own besides ``_dtrain_layout`` (:func:`layout_of`).
     """
 
     def __init__(self, layers: list[Layer], model: nn.Module | None = None) -> None:
         super().__init__()
-        self.layer_names = [name for name, _ in layers]
-        # A plain list: wrappers run the forward but are not part of the stage's names.
-        self._chain = [layer for _, layer in layers]
-        self.paths: list[str] = []
-        """Where the stage holds the model's modules (its blocks for data parallelism)."""
+        paths: list[str] = []
         for path, module in placements(model, layers) if model is not None else layers:
-            self.paths.append(path)
+            paths.append(path)
             parent: nn.Module = self
             *steps, leaf = path.split(".")
             for part in steps:
-                if not hasattr(parent, part):
+                children = dict(parent.named_children())
+                if part not in children:
                     parent.add_module(part, nn.Module())
-                parent = getattr(parent, part)
+                parent = parent.get_submodule(part)
             parent.add_module(leaf, module)
+        roots = _root_tensors(model, layers) if model is not None else []
+        saved = set(model.state_dict(keep_vars=True)) if roots else set()
+        for name in dict.fromkeys(name for _, _, name in roots):  # once each, in order
+            tensor = getattr(model, name)
+            if isinstance(tensor, nn.Parameter):
+                self.register_parameter(name, tensor)
+            else:
+                self.register_buffer(name, tensor, persistent=name in saved)
         first = parameter_names(model) if model is not None else {}
-        self.model_names = {
+        model_names = {
             name: first[id(p)]
             for name, p in self.named_parameters()
             if first.get(id(p), name) != name
         }
-        """Stage name -> model name of the parameters the model names otherwise (the
-        second name of a tied weight: ``lm_head.weight`` for ``wte.weight``)."""
+        owner = model if roots else None
+        self._dtrain_layout = StageLayout(list(layers), paths, model_names, roots, owner)
 
-    @property
-    def layers(self) -> list[Layer]:
-        """(name, module) of each layer, in forward order."""
-        return list(zip(self.layer_names, self._chain, strict=True))
+    def _apply(self, fn: Any, recurse: bool = True) -> Stage:
+        # Moving or casting the stage (`to`, `to_empty`, ...: all of them run `_apply`,
+        # torch's one seam for it) puts new tensors in place of its buffers; the wrappers
+        # that registered a root tensor of the model (not modules of the stage) and the
+        # model's root are handed the stage's, so the forward reads what the stage holds.
+        super()._apply(fn, recurse)
+        layout = self._dtrain_layout
+        for module, attribute, name in layout.roots:
+            setattr(module, attribute, getattr(self, name))
+            if layout.model is not None:
+                setattr(layout.model, name, getattr(self, name))
+        return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layers in order. What travels between stages is made contiguous, as
-        gloo and NCCL send nothing else: the output, and the gradient of the input (a
-        layer may well end or begin on a view, ``h.transpose(1, 2)``)."""
+    def forward(self, x: torch.Tensor, **extras: Any) -> torch.Tensor:
+        """Apply the layers in order, each given `extras` too where there are any (what
+        every stage is given besides the activation: a dict batch's attention mask).
+        What travels between stages is made contiguous, as gloo and NCCL send nothing
+        else: the output, and the gradient of the input (a layer may well end or begin on
+        a view, ``h.transpose(1, 2)``)."""
         if x.is_floating_point():
             x = _ContiguousGrad.apply(x)
-        for layer in self._chain:
-            x = layer(x)
+        for _, layer in self._dtrain_layout.layers:
+            x = layer(x, **extras) if extras else layer(x)
         return x.contiguous()
+
+
+def layout_of(stage: Stage) -> StageLayout:
+    """What `stage` runs and where it holds the model's tensors."""
+    return stage._dtrain_layout
+
+
+def joined(stages: list[Stage], model: nn.Module) -> Stage:
+    """One stage holding the layers of `stages`, in order (a rank's part, for its
+    optimizer and checkpoints), whose tied weights keep the model's names they had when
+    the stages were cut: tensor parallelism gives a stage's copy of a tied weight a
+    parameter of its own, and the model no longer knows the two as one."""
+    whole = Stage([layer for stage in stages for layer in layout_of(stage).layers], model)
+    names = dict(whole.named_parameters())
+    layout_of(whole).model_names.update(
+        (name, model_name)
+        for stage in stages
+        for name, model_name in layout_of(stage).model_names.items()
+        if name in names
+    )
+    return whole
+
+
+def _root_tensors(model: nn.Module, layers: list[Layer]) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, the model's name) of each tensor the model holds at its root
+    that a module of the layers outside the model (a wrapper) holds as its own."""
+    root = {
+        id(t): name
+        for name, t in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]
+    }
+    inside = {id(m) for m in model.modules()}
+    found: list[tuple[nn.Module, str, str]] = []
+    for _, layer in layers:
+        for module in layer.modules():
+            if id(module) in inside:
+                continue
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            found += [(module, attr, root[id(t)]) for attr, t in own if id(t) in root]
+    return found
 
 
 @dataclass(frozen=True)
@@ -212,35 +317,40 @@ def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _layers_holding(stage: Stage, tensor: torch.Tensor) -> str:
-    held = [n for n, layer in stage.layers if any(t is tensor for t in _tensors(layer).values())]
+    layers = layout_of(stage).layers
+    held = [n for n, layer in layers if any(t is tensor for t in _tensors(layer).values())]
     return ", ".join(f"'{n}'" for n in held)
 
 
 def check_stages(model: nn.Module, stages: list[Stage], ranks: int) -> list[Tie]:
     """Refuse a split where a tensor of `model` is left out, held by a layer outside the
-    model's modules, or held under one name by two stages (a wrapper holding more than
-    its forward uses); return the parameters tied across stages (one name per stage, on
-    different of the `ranks` pipeline ranks: stage s runs on rank s mod `ranks`)."""
+    model's modules, or a parameter held under one name by two stages (a wrapper holding
+    more than its forward uses); return the parameters tied across stages (one name per
+    stage, on different of the `ranks` pipeline ranks: stage s runs on rank s mod `ranks`).
+
+    A buffer (no gradient: a rotary table) may be held by several stages that use it: each
+    rank keeps its copy, and a checkpoint has it once, under its name."""
     kind = type(model).__name__
     holders: dict[str, list[int]] = {}
     held: dict[int, dict[int, str]] = {}  # id(tensor) -> stage -> name
     for s, stage in enumerate(stages):
         ids = {id(t) for t in _tensors(stage).values()}
-        for name, layer in stage.layers:
+        for name, layer in layout_of(stage).layers:
             outside = [n for n, t in _tensors(layer).items() if id(t) not in ids]
             if outside:
                 raise ConfigError(
-                    f"Layer '{name}' of {kind}.pipeline_layers() holds {', '.join(outside[:5])} "
+                    f"Pipeline layer '{name}' of {kind} holds {', '.join(outside[:5])} "
                     "directly rather than through a submodule of the model, so a pipeline "
                     "stage cannot keep it under its name in the model; give the layer the "
-                    "model's submodules that own these tensors."
+                    "model's submodules that own these tensors (or, for a tensor the model "
+                    "holds itself, register that very tensor on the layer)."
                 )
         for name, tensor in _tensors(stage).items():
             holders.setdefault(name, []).append(s)
             held.setdefault(id(tensor), {}).setdefault(s, name)
     for name, where in holders.items():
-        if len(where) > 1:
-            tensor = _tensors(stages[where[0]])[name]
+        tensor = _tensors(stages[where[0]])[name]
+        if len(where) > 1 and isinstance(tensor, nn.Parameter):
             layers = " and ".join(
                 f"{_layers_holding(stages[s], tensor)} (stage {s})" for s in where
             )
@@ -253,8 +363,10 @@ def check_stages(model: nn.Module, stages: list[Stage], ranks: int) -> list[Tie]
     missing = [n for n, t in _tensors(model).items() if id(t) not in held]
     if missing:
         raise ConfigError(
-            f"pipeline_layers() of {kind} leaves out {', '.join(missing[:5])}; every "
-            "parameter and buffer must belong to one listed layer."
+            f"The pipeline layers of {kind} leave out {', '.join(missing[:5])}; every "
+            "parameter and buffer must belong to a listed layer. A layer whose forward "
+            "uses a tensor the model holds itself (a rotary table passed to each block) "
+            "registers it: self.register_buffer(name, model.name, persistent=False)."
         )
     params = {id(p): p for p in model.parameters()}
     ties = [
@@ -278,7 +390,7 @@ def held_names(module: nn.Module, groups: list[list[str]]) -> list[list[str]]:
     it holds them by (a stage may hold a tied weight under its second name)."""
     held = {n: n for n, _ in module.named_parameters()}
     if isinstance(module, Stage):
-        held |= {model_name: n for n, model_name in module.model_names.items()}
+        held |= {model_name: n for n, model_name in layout_of(module).model_names.items()}
     return [[held[n] for n in group if n in held] for group in groups]
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from dtrain.batches import LossFn, is_pair
+from dtrain.batches import LossFn, pipeline_parts
 from dtrain.checkpoint.format import expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
@@ -37,7 +37,7 @@ from dtrain.parallel.device_mesh import parallel_mesh
 from dtrain.parallel.hooks import gradient_hooks
 from dtrain.parallel.parallelize import Parallelized, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
-from dtrain.parallel.split import Stage, held_names, rename_state
+from dtrain.parallel.split import Stage, held_names, layout_of, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.parallel.unused import UnusedWatch
 from dtrain.strategies.base import Strategy
@@ -180,7 +180,7 @@ class MeshStrategy(Strategy):
             self._unused = UnusedWatch(self.parts.local, self.name)
         if self.pipeline is not None:
             for s, stage in sorted(self.pipeline.modules.items()):
-                LOGGER.info("pipeline stage %d: %s", s, ", ".join(stage.layer_names))
+                LOGGER.info("pipeline stage %d: %s", s, ", ".join(layout_of(stage).layer_names))
         if optimizer is None:
             return self.model, None
         if self.shard is None and not self.degrees.pp_enabled and not self.degrees.tp_enabled:
@@ -202,21 +202,17 @@ class MeshStrategy(Strategy):
     # -- the step -------------------------------------------------------------------------
     def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
         """Under a pipeline, the schedule runs every stage's forward and backward over
-        the micro-batches; the batch's loss is averaged over the dp replicas, so a
-        non-finite loss on any of them is seen by all."""
+        the micro-batches (an (inputs, targets) pair with `loss_fn`, or a dict batch of a
+        model that computes its own loss: `dtrain.batches.pipeline_parts`); the batch's
+        loss is averaged over the dp replicas, so a non-finite loss on any of them is
+        seen by all."""
         pipeline = self.pipeline
         if pipeline is None:
             return super().forward_backward(batch, loss_fn, scale)
-        if not is_pair(batch) or loss_fn is None:
-            raise SetupError(
-                "Under a pipeline the last stage computes the loss from its output and the "
-                "targets, so engine.train_step needs an (inputs, targets) batch of tensors and "
-                "a loss_fn(output, targets); a model that computes its own loss from a dict "
-                "batch runs under the other strategies (ddp, zero3, tensor, ...)."
-            )
-        inputs, targets = batch
+        inputs, targets, extras, loss_fn = pipeline_parts(batch, loss_fn, pipeline.feed)
+        assert targets is not None and loss_fn is not None  # what training parts hold
         with self.autocast():
-            loss = pipeline.step(inputs, targets, loss_fn, self.handover.loss_scaling)
+            loss = pipeline.step(inputs, targets, loss_fn, self.handover.loss_scaling, extras)
         if (replicas := self.placement.dp_size) > 1:
             dist.all_reduce(loss, group=self.placement.dp_group)
             loss = loss / replicas
@@ -283,7 +279,7 @@ class MeshStrategy(Strategy):
         p.settle_timers()
         per_step = 1000 / max(p.steps, 1)
         mine = {
-            s: (module.layer_names, p.compute_seconds[s] * per_step)
+            s: (layout_of(module).layer_names, p.compute_seconds[s] * per_step)
             for s, module in p.modules.items()
         }
         everyone: list[Any] = [None] * self.topology.world_size
@@ -314,7 +310,7 @@ class MeshStrategy(Strategy):
         if not self.degrees.pp_enabled:
             return part if main else (None, None)
         if part[1] is not None and isinstance(local, Stage):  # a tied weight's model name
-            part = part[0], rename_state(part[1], local.model_names)
+            part = part[0], rename_state(part[1], layout_of(local).model_names)
         senders = [m.rank_at(pp=p) for p in range(1, self.degrees.pp)]
         if first and not main:
             dist.send_object_list([part], dst=0, group=self._host_group)
@@ -337,7 +333,7 @@ class MeshStrategy(Strategy):
         whole = self._whole if self.degrees.pp_enabled else None
         local = self.unwrap()
         if optimizer_state is not None and isinstance(local, Stage):
-            inverse = {model_name: n for n, model_name in local.model_names.items()}
+            inverse = {model_name: n for n, model_name in layout_of(local).model_names.items()}
             optimizer_state = rename_state(optimizer_state, inverse)
         return load_full_state(
             local, tensors, optimizer, optimizer_state, strict, whole_model=whole
