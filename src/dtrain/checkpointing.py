@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from dtrain import advice, checkpoint, own_states, rng
 from dtrain.checkpoint.atomic import clean_leftovers
-from dtrain.checkpoint.directory import problems_of
+from dtrain.checkpoint.directory import ROTATED_AS, problems_of
 from dtrain.checkpoint.flat_optimizer import merge_groups
 from dtrain.checkpoint.format import (
     MODEL_FILE,
@@ -37,7 +37,7 @@ from dtrain.checkpoint.sharded_load import load_sharded
 from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
 from dtrain.collectives import gather_objects, rank_in
-from dtrain.errors import CheckpointError
+from dtrain.errors import CheckpointError, DamagedCheckpointError
 from dtrain.observe.events import Observer, Observers, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.loss_reads import LossReads
@@ -109,7 +109,8 @@ class Checkpoints(Observer):
             epoch: the epoch to record (default: the one the training loader is in).
             extra: more manifest fields (JSON values).
             keep: once the checkpoint is complete, delete all but the newest `keep`
-                checkpoints beside it (the main rank does; no other rank reads them).
+                checkpoints that saves with `keep` wrote beside it (the main rank does; no
+                other rank reads them); other folders there are never deleted.
         """
         path = Path(path)
         self._sharded.wait()
@@ -127,6 +128,7 @@ class Checkpoints(Observer):
             "world_size": self.strategy.topology.world_size,
             "model_class": self.strategy.model_class,
             "optimizer": type(self.optimizer).__name__ if self.optimizer else None,
+            **({ROTATED_AS: path.name} if keep is not None else {}),  # prune may delete it
             **(extra or {}),
         }
 
@@ -228,24 +230,34 @@ class Checkpoints(Observer):
         """Load the newest intact checkpoint under `root`; None if there is none.
 
         A damaged newer checkpoint is skipped with a warning, so a run killed while its
-        disk was failing falls back to the one before. The main rank looks for it and
-        checks it; the others load what it found.
+        disk was failing falls back to the one before; so is one whose files match its
+        manifest but cannot be read (a DamagedCheckpointError, met by every rank alike).
+        The main rank looks for it and checks it; the others load what it found.
         """
         self._sharded.wait()
         self._clean_once(Path(root))
+        below: Path | None = None  # the newest one found unreadable: look below it
 
         def find() -> tuple[Path | None, list[str], dict[str, Any] | None]:
-            latest, warnings = checkpoint.latest_intact(Path(root))
+            latest, warnings = checkpoint.latest_intact(Path(root), below)
             return latest, warnings, checkpoint.read_manifest(latest) if latest else None
 
-        group = self.strategy.placement.train_group
-        latest, warnings, manifest = decided_by_main(find, group, self.is_main)
-        for warning in warnings:
+        def warn(warning: str) -> None:
             LOGGER.warning(warning)
             self.print(f"dtrain: warning: {warning}")
-        if latest is None or manifest is None:
-            return None
-        return self._load_checked(latest, manifest, strict=True)
+
+        group = self.strategy.placement.train_group
+        while True:
+            latest, warnings, manifest = decided_by_main(find, group, self.is_main)
+            for warning in warnings:
+                warn(warning)
+            if latest is None or manifest is None:
+                return None
+            try:
+                return self._load_checked(latest, manifest, strict=True)
+            except DamagedCheckpointError as e:
+                warn(f"skipping damaged checkpoint {latest}: {e}")
+                below = latest
 
     def _clean_once(self, root: Path) -> None:
         """Main rank: remove what earlier attempts' interrupted saves left under `root`
@@ -338,7 +350,7 @@ class CheckpointSide:
             epoch: the epoch to record (default: the one the training loader is in).
             extra: more manifest fields (JSON values).
             keep: once it is complete, delete all but the newest `keep` checkpoints
-                beside it.
+                that saves with `keep` wrote beside it.
         """
         self._require_setup("engine.save")
         self._loss.flush()  # a non-finite loss must never reach a checkpoint

@@ -47,6 +47,11 @@ class CheckpointError(DtrainError):
     """A checkpoint is missing, malformed, or belongs to another model."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A file of a checkpoint cannot be read although its manifest vouches for it;
+    `resume` passes over that checkpoint to the one before."""
+
+
 class LaunchError(DtrainError):
     """One or more worker processes failed; the message names the ranks."""
 

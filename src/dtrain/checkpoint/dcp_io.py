@@ -10,21 +10,25 @@ holding other objects is refused, never executed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, Metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from dtrain.checkpoint.format import INDEX
+from dtrain.checkpoint.format import INDEX, TRUSTED, unpickle
+from dtrain.checkpoint.reading import damaged, reading, reason
 from dtrain.errors import CheckpointError
 
 MODEL = "model."
@@ -59,7 +63,12 @@ _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata classes, torch sizes and dtypes, and nothing else."""
+    """Unpickles DCP's metadata classes, torch sizes and dtypes, and nothing else: any
+    other object is a CheckpointError naming the index `file`."""
+
+    def __init__(self, stream: BinaryIO, file: Path) -> None:
+        super().__init__(stream)
+        self.file = file
 
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name:
@@ -72,31 +81,27 @@ class _IndexUnpickler(pickle.Unpickler):
             kinds = (torch.dtype, torch.layout, torch.memory_format)
             if module == "torch" and isinstance(getattr(torch, name, None), kinds):
                 return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+        raise CheckpointError(
+            f"{self.file} holds Python objects that dtrain will not unpickle, since unpickling "
+            f"can run arbitrary code ({module}.{name} is not part of a checkpoint index). Use "
+            "checkpoints written by torch.distributed.checkpoint from code you trust."
+        )
 
 
 def read_metadata(path: Path) -> Metadata:
     """The DCP index of the sharded checkpoint at `path`; a CheckpointError if it is
-    missing, damaged, or holds objects other than DCP's metadata."""
+    missing or holds objects other than DCP's metadata, a DamagedCheckpointError if it
+    cannot be read."""
     file = Path(path) / INDEX
     if not file.is_file():
         raise CheckpointError(
             f"{path} has no {INDEX} (the index of its pieces); the sharded checkpoint is "
             "incomplete. Resume from an older checkpoint."
         )
-    try:
-        with open(file, "rb") as f:
-            metadata = _IndexUnpickler(f).load()
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"{file} holds Python objects that dtrain will not unpickle, since unpickling can "
-            f"run arbitrary code ({e}). Use checkpoints written by torch.distributed.checkpoint "
-            "from code you trust."
-        ) from None
-    except (EOFError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{file} cannot be read ({e}); it is truncated or corrupt.") from None
+    with reading(file), open(file, "rb") as f:
+        metadata = _IndexUnpickler(f, file).load()
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file} is not an index of torch.distributed.checkpoint pieces.")
+        raise damaged(file, f"it holds a {type(metadata).__name__}, not an index of pieces")
     return metadata
 
 
@@ -114,6 +119,19 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's reads, one file at a time, so that a file that cannot be read is named."""
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            by_file.setdefault(name, []).append(item)
+        for name, items in by_file.items():
+            with reading(self.directory / name):
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner over a flat state (keys as in the index), with every
@@ -125,27 +143,34 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
-        try:
-            self.state_dict[key] = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(
-                f"The checkpoint's entry {key} holds Python objects that dtrain will not "
-                f"unpickle ({str(e).splitlines()[0]}); use checkpoints from code you trust."
-            ) from None
+        self.state_dict[key] = unpickle(value, TRUSTED, what=f"The checkpoint's entry {key}")
 
 
 def load(state: dict[str, Any], path: Path, group: Any, distributed: bool) -> None:
     """`dcp.load` of `path` into the flat `state` (keys as in the index: tensors are read
     in place, other values replaced), safely; collective over `group` when
     `distributed`, else this process alone."""
-    with alone_quietly():
-        dcp.load(
-            state,
-            storage_reader=SafeReader(path),
-            planner=SafeLoadPlanner(),
-            process_group=group,
-            no_dist=not distributed,
-        )
+    try:
+        with alone_quietly():
+            dcp.load(
+                state,
+                storage_reader=SafeReader(path),
+                planner=SafeLoadPlanner(),
+                process_group=group,
+                no_dist=not distributed,
+            )
+    except CheckpointException as e:  # a BaseException: the ranks' failures, gathered
+        raise _first_of(e, path) from None
+
+
+def _first_of(error: CheckpointException, path: Path) -> CheckpointError:
+    """dtrain's error among the ranks' failures a DCP load gathered in `error` (a file
+    named by `SafeReader`, the lowest rank's first); else one naming `path`."""
+    failures = [error.failures[rank] for rank in sorted(error.failures)]
+    for failure, _ in failures:
+        if isinstance(failure, CheckpointError):
+            return failure
+    return damaged(path, "; ".join(reason(failure) for failure, _ in failures) or str(error))
 
 
 def model_entries(metadata: Metadata) -> dict[str, tuple[list[int], torch.dtype]]:

@@ -1,4 +1,9 @@
-"""A run's folder of checkpoints: ``ROOT/step-NNNNNNNN``, newest first, keep the last K."""
+"""A run's folder of checkpoints: ``ROOT/step-NNNNNNNN``, newest first, keep the last K.
+
+Keeping the last K deletes only checkpoints that a save with ``keep`` wrote, under the
+name their manifest records (ROTATED_AS): a user's copy of one (``best``), a ``dtrain
+ckpt convert`` output or any other folder beside them is never deleted.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,9 @@ from dtrain.errors import CheckpointError
 
 STEP_NAME = re.compile(r"step-(\d+)")
 """The name :func:`step_path` gives a checkpoint directory."""
+ROTATED_AS = "rotated_as"
+"""The manifest field a save with `keep` records: the name of the folder it wrote. Only a
+checkpoint still under that name is one :func:`prune` may delete."""
 
 
 def step_path(root: Path, step: int) -> Path:
@@ -63,11 +71,15 @@ def problems_of(path: Path) -> list[str]:
         return [str(e)]
 
 
-def latest_intact(root: Path) -> tuple[Path | None, list[str]]:
+def latest_intact(root: Path, below: Path | None = None) -> tuple[Path | None, list[str]]:
     """The newest checkpoint under `root` that passes `verify`, and a warning for each
-    newer one that did not (so a corrupt newest falls back to the one before)."""
+    newer one that did not (so a corrupt newest falls back to the one before). With
+    `below` (one found unreadable), only the checkpoints older than it are looked at."""
+    found = checkpoints(root)
+    if below is not None and Path(below) in found:
+        found = found[found.index(Path(below)) + 1 :]
     warnings = []
-    for path in checkpoints(root):
+    for path in found:
         problems = problems_of(path)
         if not problems:
             return path, warnings
@@ -76,16 +88,26 @@ def latest_intact(root: Path) -> tuple[Path | None, list[str]]:
 
 
 def prune(root: Path, keep: int, written: Path | None = None) -> None:
-    """Delete all but the newest `keep` complete checkpoints under `root` (one being
-    written is not listed yet, so it never counts as kept). Call it on one rank only,
-    once no other rank reads the older ones.
+    """Delete all but the newest `keep` checkpoints under `root` that saves with `keep`
+    wrote (:func:`rotated`); one being written is not listed yet, so it never counts as
+    kept. Call it on one rank only, once no other rank reads the older ones.
 
     `written`, the checkpoint just written, is kept and counted first: checkpoints of
     later steps (an earlier attempt's that `resume` skipped as damaged, to be written
     again when training reaches their step) are left alone, not counted as kept.
     """
-    found = checkpoints(root)
+    found = [path for path in checkpoints(root) if rotated(path)]
     if written is not None and Path(written) in found:
         found = found[found.index(Path(written)) :]
     for old in found[keep:]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def rotated(path: Path) -> bool:
+    """Whether the checkpoint at `path` is one a save with `keep` wrote there: its
+    manifest names the folder it is in. A copy or a rename of it, a converted checkpoint
+    and one whose manifest cannot be read are not."""
+    try:
+        return read_manifest(path).get(ROTATED_AS) == Path(path).name
+    except (CheckpointError, OSError):
+        return False

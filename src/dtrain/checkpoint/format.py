@@ -32,7 +32,8 @@ from dtrain.checkpoint.atomic import atomic_directory, file_records
 from dtrain.checkpoint.canonical import canonical_name, canonical_state_dict
 from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
 from dtrain.checkpoint.lazy import LazyTensors
-from dtrain.errors import CheckpointError
+from dtrain.checkpoint.reading import reading, reason, refuses_objects
+from dtrain.errors import CheckpointError, DtrainError
 
 FORMAT = "dtrain.checkpoint/1"
 SHARDED_FORMAT = "dtrain.sharded-checkpoint/1"
@@ -197,11 +198,18 @@ def is_sharded(manifest: dict[str, Any]) -> bool:
 
 def read_model(path: Path) -> dict[str, torch.Tensor]:
     """The model tensors of the checkpoint at `path`, on the CPU."""
-    return safetensors_file.load(Path(path) / MODEL_FILE)
+    file = Path(path) / MODEL_FILE
+    with reading(file):
+        return safetensors_file.load(file)
+
+
+TRUSTED = "Load checkpoints written by code you trust."
+"""What to do about a checkpoint file holding objects other than tensors and plain values."""
 
 
 def read_pt(path: Path, name: str, mmap: bool = False) -> Any:
-    """A ``.pt`` member of the checkpoint, read with weights_only=True; None if absent.
+    """A ``.pt`` member of the checkpoint, read with weights_only=True; None if absent; a
+    DamagedCheckpointError naming it if it cannot be read (`reading`).
 
     With `mmap`, tensors are mapped from the file rather than read: a rank reads from
     disk only the parts it then touches (a pipeline stage, its parameters' state).
@@ -209,24 +217,38 @@ def read_pt(path: Path, name: str, mmap: bool = False) -> Any:
     file = Path(path) / name
     if not file.is_file():
         return None
-    return load_pt(file, "Load checkpoints written by code you trust.", mmap)
+    with reading(file):
+        return unpickle(file, TRUSTED, mmap)
 
 
 def load_pt(file: Path | io.BytesIO, advice: str, mmap: bool = False, what: str = "") -> Any:
-    """`torch.load` of `file` (a path, or bytes in memory that errors call `what`) with
-    weights_only=True, on the CPU; a CheckpointError if it is no PyTorch file, or holds
-    objects other than tensors and plain values (then the message ends with `advice`)."""
+    """:func:`unpickle` of a file that is no checkpoint's (a plain PyTorch file); a
+    CheckpointError naming it (or `what`) if it is no intact torch.save file."""
     what = what or str(file)
+    try:
+        return unpickle(file, advice, mmap, what)
+    except DtrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch's unpickler fails in many ways on damage
+        raise CheckpointError(
+            f"{what} cannot be read as a PyTorch file ({reason(e)}): it is truncated or "
+            "corrupt, or was not written by torch.save; pass an intact copy."
+        ) from None
+
+
+def unpickle(file: Path | io.BytesIO, advice: str, mmap: bool = False, what: str = "") -> Any:
+    """`torch.load` of `file` (a path, or bytes in memory that errors call `what`) with
+    weights_only=True, on the CPU; a CheckpointError if it holds objects other than
+    tensors and plain values (the message ends with `advice`). Any other failure of
+    torch's loader (a damaged file) is raised as it is, for the caller to name."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
+        if not refuses_objects(e):
+            raise
         raise CheckpointError(
-            f"{what} holds Python objects that dtrain will not unpickle, since unpickling can "
-            f"run arbitrary code ({str(e).splitlines()[0]}). {advice}"
-        ) from None
-    except (RuntimeError, EOFError) as e:
-        raise CheckpointError(
-            f"{what} cannot be read as a PyTorch file ({e}); it may be truncated or corrupt."
+            f"{what or file} holds Python objects that dtrain will not unpickle, since "
+            f"unpickling can run arbitrary code ({reason(e)}). {advice}"
         ) from None
 
 

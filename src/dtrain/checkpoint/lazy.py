@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dtrain.checkpoint.reading import reading
 from dtrain.checkpoint.safetensors_file import TensorFile
 
 
@@ -22,13 +23,14 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     Names outside `wanted` are never read: asking for one gives a shape-only tensor on
     the ``meta`` device (its shape, no data), enough for code that looks at
     every name and keeps those it holds. `shapes` gives every name's shape without
-    reading.
+    reading. A file that cannot be read is a DamagedCheckpointError naming it.
     """
 
     def __init__(self, path: Path, wanted: set[str]) -> None:
         self.path = Path(path)
         self.wanted = wanted
-        self._file = TensorFile(self.path)
+        with reading(self.path):
+            self._file = TensorFile(self.path)
         self.shapes = self._file.shapes
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -36,7 +38,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             raise KeyError(name)
         if name not in self.wanted:
             return torch.empty(self.shapes[name], device="meta")
-        return self._file.get(name)
+        with reading(self.path):
+            return self._file.get(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file.names)

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 
 from dtrain.checkpoint import safetensors_file
 from dtrain.checkpoint.canonical import canonical_state_dict
 from dtrain.checkpoint.disk import save_pt, stored_bytes, writing
 from dtrain.checkpoint.format import load_pt
+from dtrain.checkpoint.reading import reason
 from dtrain.errors import CheckpointError
 
 # Where training scripts commonly keep the model state inside a saved dict, in the order
@@ -52,9 +52,9 @@ def read_file(path: Path) -> Any:
     if path.suffix == ".safetensors":
         try:
             return safetensors_file.load(path)
-        except SafetensorError as e:
+        except Exception as e:  # noqa: BLE001 - safetensors and its header fail in many ways
             raise CheckpointError(
-                f"{path} cannot be read as a safetensors file ({e}); it is truncated or "
+                f"{path} cannot be read as a safetensors file ({reason(e)}); it is truncated or "
                 "corrupt, or another format under a .safetensors name (a torch.save file "
                 "takes .pt)."
             ) from None

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from dtrain.checkpoint.dcp_io import read_entries
-from dtrain.checkpoint.format import load_pt
-from dtrain.errors import CheckpointError
+from dtrain.checkpoint.format import TRUSTED, unpickle
+from dtrain.checkpoint.reading import reading
+from dtrain.errors import DamagedCheckpointError
 
 RANKS = "ranks."
 """The prefix of the rank-state entries of a sharded checkpoint's index."""
@@ -79,9 +80,11 @@ def _entry(path: Path, rank: int) -> dict[str, Any]:
     key = entry_key(rank)
     found = read_entries(path, lambda k: k == key)
     if key not in found:
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"{path} says {rank + 1} or more ranks saved their own state, but holds no entry "
             f"{key}; the checkpoint is damaged. Resume from an older checkpoint."
         )
     data = io.BytesIO(found[key].numpy().tobytes())
-    return load_pt(data, "Load checkpoints written by code you trust.", what=f"The entry {key}")
+    what = f"The entry {key} of {path}"
+    with reading(what):
+        return unpickle(data, TRUSTED, what=what)

@@ -43,9 +43,9 @@ from dtrain.checkpoint.flat_optimizer import (
     unflatten,
 )
 from dtrain.checkpoint.format import check_fit, expected_shapes
-from dtrain.checkpoint.optimizer_state import parameter_names, state_by_name
+from dtrain.checkpoint.optimizer_state import load_by_name, parameter_names, state_by_name
 from dtrain.collectives import gather_objects
-from dtrain.errors import CheckpointError
+from dtrain.errors import CheckpointError, DamagedCheckpointError
 
 if TYPE_CHECKING:
     from dtrain.strategies.base import Strategy
@@ -92,7 +92,7 @@ def _load_whole(
 ) -> list[str]:
     check_fit(expected_shapes(strategy.unwrap()), found, strict)  # before reading anything
     if optimizer is not None and groups is None:
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"{path} holds optimizer state but its trainer state does not say which "
             "parameter group each parameter is in; the checkpoint is damaged. Resume from "
             "an older checkpoint."
@@ -155,8 +155,9 @@ def _load_by_module(
         target.update((k, request[OPTIMIZER + k]) for k in target if OPTIMIZER + k in request)
         if with_state:
             set_optimizer_state_dict(module, optimizer, target, options=FLAT)
-        else:
-            _apply_settings(optimizer, module, target)
+        else:  # the groups' settings, and no state: the optimizer's own is dropped
+            settings = unflatten(target, _groups_by_name(optimizer, module))
+            load_by_name(optimizer, module, settings, names - skipped if skipped else None)
     return sorted(skipped)
 
 
@@ -196,14 +197,3 @@ def _check_keys(wanted: dict[str, Any], keys: set[str], skipped: set[str], names
 def _groups_by_name(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
     named = state_by_name(optimizer, module, lambda _: None)["param_groups"]
     return [group["params"] for group in named]
-
-
-def _apply_settings(optimizer: Optimizer, module: nn.Module, flat: dict[str, Any]) -> None:
-    """Set each group's hyperparameters from flat ``param_groups.<name>.<setting>`` entries."""
-    for group, names in zip(
-        optimizer.param_groups, _groups_by_name(optimizer, module), strict=True
-    ):
-        if names:
-            for setting in group:
-                if setting != "params":
-                    group[setting] = flat[f"{GROUPS}{names[0]}.{setting}"]

@@ -3,7 +3,9 @@
 FSDP2, tensor parallelism and their mixes keep parameters and optimizer state as DTensors;
 `torch.distributed.checkpoint.state_dict` gathers them into whole tensors under canonical
 names and scatters whole tensors back. A pipeline stage holds only some of the model's
-names, so loading takes the subset the module has.
+names, so loading takes the subset the module has. An optimizer state without a tensor to
+scatter (SGD without momentum, any optimizer before its first step) is loaded by name
+instead: torch's scatter learns the device from the state's tensors and has none.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dtrain.checkpoint.canonical import canonical_name
+from dtrain.checkpoint.flat_optimizer import STATE, flatten
 from dtrain.checkpoint.format import check_fit, expected_shapes
-from dtrain.checkpoint.optimizer_state import state_by_name
+from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 
 
 def whole_state(
@@ -81,5 +84,19 @@ def load_full_state(
     if optimizer is not None and optimizer_state is not None:
         names = {n for n, _ in module.named_parameters()} - set(skipped)
         part = restrict(optimizer_state, names) if whole_model or skipped else optimizer_state
-        set_optimizer_state_dict(module, optimizer, part, options=options)
+        if _has_tensors_to_scatter(part):
+            set_optimizer_state_dict(module, optimizer, part, options=options)
+        else:
+            load_by_name(optimizer, module, part, names if skipped else None)
     return skipped
+
+
+def _has_tensors_to_scatter(optimizer_state: dict[str, Any]) -> bool:
+    """Whether a name-keyed optimizer state holds a tensor of at least one dimension (a
+    momentum, a moment): what `set_optimizer_state_dict` needs to place the state. Step
+    counts are 0-dimensional, the same on every rank."""
+    return any(
+        isinstance(value, torch.Tensor) and value.dim() > 0
+        for key, value in flatten(optimizer_state).items()
+        if key.startswith(STATE)
+    )

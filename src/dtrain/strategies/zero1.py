@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from dtrain.checkpoint.format import check_fit, expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
 from dtrain.strategies.checkpoint_state import CheckpointState
@@ -85,6 +86,12 @@ class Zero1(MeshStrategy):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         groups = optimizer.param_groups if optimizer is not None else []
+        if isinstance(optimizer, ZeroRedundancyOptimizer) and optimizer_state is not None:
+            # It loads the state of the parameters the checkpoint has state for and keeps
+            # its own for the others (all of them, from Adam saved before its first step);
+            # a checkpoint that does not fit is refused before anything changes.
+            check_fit(expected_shapes(self.unwrap()), tensors, strict)
+            optimizer.optim.state.clear()
         skipped = CheckpointState.load_full_state(self, tensors, optimizer, optimizer_state, strict)
         if isinstance(optimizer, ZeroRedundancyOptimizer) and optimizer.param_groups is not groups:
             # Loading put new group dicts in place of the user's; the user's take the
