@@ -1,16 +1,15 @@
-"""Tiny Hugging Face models built from configs in code (nothing downloaded), trained with
-dict batches and the loss the model computes itself, identically under any strategy."""
+"""Tiny Hugging Face models built from configs in code (nothing downloaded): a BERT
+classifier and GPT-2, with the token set they train on as dict batches (tests/third_party.py
+trains them; tests/test_checkpoint_habits.py checkpoints them)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
-from training import finish  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForSequenceClassification,
@@ -19,10 +18,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-import dtrain  # noqa: E402
-
 VOCAB, LENGTH, SAMPLES = 64, 16, 96
-GLOBAL_BATCH = 12
 BERT_TP_PLAN = {
     "bert.encoder.layer.*.intermediate.dense": "colwise",
     "bert.encoder.layer.*.output.dense": "rowwise",
@@ -85,27 +81,3 @@ def build(kind: str) -> torch.nn.Module:
         eos_token_id=0,
     )
     return GPT2LMHeadModel(config)
-
-
-def train_hf(kind: str, steps: int = 3, close: bool = True, **options: Any) -> dict | None:
-    """Train `kind` for `steps` steps with AdamW under `options`; the parameters on the
-    main rank (canonical names), None elsewhere."""
-    engine = dtrain.init(seed=0, **options)
-    model = build(kind)
-    if engine.strategy.name in ("tensor", "hybrid"):
-        model.tensor_parallel_plan = lambda degree: BERT_TP_PLAN  # type: ignore[method-assign]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = engine.setup(model, optimizer)
-    loader = engine.dataloader(Tokens(kind), global_batch_size=GLOBAL_BATCH)
-    for batch in engine.progress(loader):
-        engine.train_step(batch)  # model(**batch); the loss is the model's own
-        if engine.step == steps:
-            break
-    del model, optimizer
-    return finish(engine, close)
-
-
-def train_hf_variants(variants: list[dict[str, Any]]) -> list[dict | None]:
-    """Several `train_hf` runs one after the other in this process group."""
-    last = len(variants) - 1
-    return [train_hf(close=i == last, **variant) for i, variant in enumerate(variants)]
