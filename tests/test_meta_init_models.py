@@ -23,16 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from resnet18 import resnet18  # noqa: E402
+from third_party import hf_lm as hf_model  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
-from transformers import (  # noqa: E402
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import dtrain  # noqa: E402
@@ -41,24 +34,6 @@ from dtrain.errors import SetupError  # noqa: E402
 hf_logging.set_verbosity_error()
 
 VOCAB, DIM, LENGTH = 64, 32, 16
-HF_SHAPE = {
-    "vocab_size": VOCAB,
-    "hidden_size": DIM,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "intermediate_size": 64,
-    "max_position_embeddings": LENGTH,
-}
-
-
-def hf_model(kind: str) -> nn.Module:
-    """A tiny Hugging Face causal LM of `kind` ("llama", "qwen2" tied, "neox")."""
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **HF_SHAPE))
-    if kind == "qwen2":
-        config = Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **HF_SHAPE)
-        return Qwen2ForCausalLM(config)
-    return GPTNeoXForCausalLM(GPTNeoXConfig(**HF_SHAPE))
 
 
 def rotary_table(head_dim: int, length: int) -> torch.Tensor:
