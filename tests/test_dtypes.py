@@ -124,6 +124,16 @@ def test_ps_refuses_served_parameters_of_several_dtypes() -> None:
         FlatParameters(list(EveryDtype(seed=0).parameters()))
 
 
+def test_zero1_refuses_parameters_of_several_dtypes_by_name() -> None:
+    engine = dtrain.init(strategy="zero1")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).to(torch.bfloat16))
+    try:
+        with pytest.raises(ConfigError, match="torch.bfloat16, torch.float32; give the"):
+            engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        engine.close()
+
+
 class Rotary(nn.Module):
     """A linear layer whose output pairs are rotated by a complex64 table (as torchtitan's
     `freqs_cis` rotates queries), kept where a bool mask says, scaled by a float32 table

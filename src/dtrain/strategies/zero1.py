@@ -44,6 +44,14 @@ class Zero1(MeshStrategy):
             raise SetupError("Strategy zero1 shards the optimizer; pass one to engine.setup.")
         if has_stepped(optimizer):
             raise ConfigError(NOT_FRESH)
+        dtypes = sorted({str(p.dtype) for g in optimizer.param_groups for p in g["params"]})
+        if len(dtypes) > 1:
+            raise ConfigError(
+                "Strategy zero1 shards the optimizer with torch's ZeroRedundancyOptimizer, "
+                f"which needs its parameters in one dtype, but they are in {', '.join(dtypes)}; "
+                "give the parameters one dtype (model.float(), or --precision bf16-mixed for "
+                "16-bit compute), or use --strategy ddp."
+            )
         wrapped, _ = super().wrap(model, None)
         # Imported where used: torch.distributed.optim scripts its functional optimizers
         # at import (a third of a second per process) that other strategies never need.
