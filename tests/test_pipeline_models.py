@@ -279,6 +279,28 @@ def test_torchtitans_own_decoder_is_read_as_its_forward_promises() -> None:
         layers_of(model)
 
 
+class _AddPositions(nn.Module):
+    """A wrapper holding its model's root parameter (ViT's ``pos_embed`` habit)."""
+
+    def __init__(self, embed: nn.Module, pos_embed: nn.Parameter) -> None:
+        super().__init__()
+        self.embed, self.pos_embed = embed, pos_embed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x) + self.pos_embed
+
+
+class PositionsAtRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos_embed = nn.Parameter(torch.zeros(4, 8))
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        return [("embed", _AddPositions(self.embed, self.pos_embed)), ("head", self.head)]
+
+
 def test_what_a_pipeline_cannot_honour_is_refused_by_name() -> None:
     feed = hf_feed(build("llama"))
     ids = torch.zeros(2, 4, dtype=torch.long)
@@ -296,6 +318,8 @@ def test_what_a_pipeline_cannot_honour_is_refused_by_name() -> None:
         layers_of(mistral)
     with pytest.raises(ConfigError, match="nor is it a Hugging Face model with a pipeline plan"):
         layers_of(nn.Module())
+    with pytest.raises(ConfigError, match="root parameter\\(s\\) pos_embed as its own"):
+        Stage(layers_of(positions := PositionsAtRoot()), positions)
 
 
 @pytest.fixture(scope="module")

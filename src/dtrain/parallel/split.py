@@ -220,11 +220,7 @@ class Stage(nn.Module):
         roots = _root_tensors(model, layers) if model is not None else []
         saved = set(model.state_dict(keep_vars=True)) if roots else set()
         for name in dict.fromkeys(name for _, _, name in roots):  # once each, in order
-            tensor = getattr(model, name)
-            if isinstance(tensor, nn.Parameter):
-                self.register_parameter(name, tensor)
-            else:
-                self.register_buffer(name, tensor, persistent=name in saved)
+            self.register_buffer(name, getattr(model, name), persistent=name in saved)
         first = parameter_names(model) if model is not None else {}
         model_names = {
             name: first[id(p)]
@@ -296,6 +292,17 @@ def _root_tensors(model: nn.Module, layers: list[Layer]) -> list[tuple[nn.Module
                 continue
             own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
             found += [(module, attr, root[id(t)]) for attr, t in own if id(t) in root]
+    trained = {id(p) for p in model.parameters(recurse=False)}
+    held = [name for module, attr, name in found if id(getattr(module, attr)) in trained]
+    if held:
+        raise ConfigError(
+            f"A layer of {type(model).__name__}.pipeline_layers() holds the model's root "
+            f"parameter(s) {', '.join(dict.fromkeys(held))} as its own; data and tensor "
+            "parallelism put new parameter objects in the stage's place, which such a layer "
+            "would not see, and its forward would read a stale copy. Hold the parameter in a "
+            "submodule of the model (a small nn.Module owning it, as an embedding does) and "
+            "give the layer that submodule."
+        )
     return found
 
 
