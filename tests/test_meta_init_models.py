@@ -7,13 +7,19 @@ whose sub-models initialise themselves through ``post_init``; a ResNet-18 initia
 its constructor as torchvision's is (tests/resnet18.py), and nanoGPT's constructor that
 initialises every module itself; torchtitan's habit of a complex64
 rotary table that ``init_weights()`` computes again, called by the constructor or left to
-the trainer. Refused: a tensor nothing replayable sets (complex and integer ones too), a
-random tensor made or a view written in a constructor, random numbers drawn on the CPU in
-the block, an ``init_weights()`` the build never called, a model put on the meta device
-outside the block."""
+the trainer; torch.nn.init's functions that do nothing on the meta device (``orthogonal_``,
+``dirac_``, ``sparse_``, ``trunc_normal_``, ``eye_``) called in a constructor; an attribute
+an initialisation method reads, changed after it ran. Refused: a tensor nothing replayable
+sets (complex and integer ones too), a random tensor made or a view written in a
+constructor, random numbers drawn on the CPU in the block, a seed set once the build's
+initialisation began (even back to where it started), a module tree changed after its
+``init_weights()`` ran (a child added, a head replaced), an initialisation method that
+rebinds its argument, an ``init_weights()`` the build never called, a model put on the meta
+device outside the block."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -199,6 +205,50 @@ def test_a_model_left_to_its_trainer_to_initialise_starts_as_built_then_initiali
     assert_starts_as_whole(lambda: RopeLM(init_in_constructor=False), whole=trained_later)
 
 
+class MetaBlindInits(nn.Module):
+    """A constructor calling the torch.nn.init functions that return early on the meta
+    device (or write through ``out=``), between layers that draw (PPO's orthogonal heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = nn.Linear(4, 8)
+        nn.init.orthogonal_(self.policy.weight, gain=2**0.5)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        nn.init.dirac_(self.conv.weight)
+        self.sparse = nn.Linear(6, 5)
+        nn.init.sparse_(self.sparse.weight.data, sparsity=0.5)
+        self.truncated = nn.Linear(4, 4)
+        nn.init.trunc_normal_(self.truncated.weight, std=0.02)
+        self.identity = nn.Linear(4, 4)
+        nn.init.eye_(self.identity.weight)
+
+
+def test_init_functions_that_skip_the_meta_device_start_as_built_whole() -> None:
+    assert_starts_as_whole(MetaBlindInits)
+
+
+class ScaledLater(nn.Module):
+    """reset_parameters() reads an attribute the constructor changes after calling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.std = 1.0
+        self.proj = nn.Linear(4, 4)
+        self.reset_parameters()
+        self.std = 100.0
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.proj.weight, std=self.std)
+
+
+def test_an_attribute_changed_after_its_init_method_ran_is_replayed_as_it_was() -> None:
+    assert_starts_as_whole(ScaledLater)
+
+
+def test_an_lstm_holding_weak_references_to_its_weights_starts_as_built_whole() -> None:
+    assert_starts_as_whole(lambda: nn.LSTM(4, 8, 2))
+
+
 class Rotating(nn.Module):
     """A weight its reset_parameters() sets, beside a buffer of `kind` computed in the
     constructor that nothing sets again."""
@@ -244,6 +294,53 @@ class CpuNoise(nn.Module):
         self.register_buffer("noise", torch.randn(4, device="cpu"))
 
 
+class Reseeded(nn.Module):
+    """A constructor seeding again between layers (`forked`: inside torch.random.fork_rng),
+    leaving the generator where the block's seed left it."""
+
+    def __init__(self, forked: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        with torch.random.fork_rng() if forked else contextlib.nullcontext():
+            torch.manual_seed(0)
+            self.second = nn.Linear(4, 4)
+
+
+class GrownLater(nn.Module):
+    """A child added after the constructor's init_weights()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.init_weights()
+        self.second = nn.Linear(4, 4)
+
+    def init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+
+def llama_with_new_head() -> nn.Module:
+    """A Hugging Face Llama whose output layer is replaced (another vocabulary)."""
+    model = hf_model("llama")
+    model.lm_head = nn.Linear(DIM, VOCAB + 16, bias=False)
+    return model
+
+
+class RebindsArgument(nn.Module):
+    """reset_parameters() rebinding its argument before its first torch call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.reset_parameters(0.5)
+
+    def reset_parameters(self, std: float = 1.0) -> None:
+        std = std / 2
+        nn.init.normal_(self.proj.weight, std=std)
+
+
 class Helper(nn.Linear):
     """A layer with an init_weights() nobody calls."""
 
@@ -257,6 +354,26 @@ REFUSED: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "random tensor": (lambda: nn.Sequential(RandomPositions()), r"'0' \(RandomPositions\).*randn"),
     "view": (lambda: nn.Sequential(ZeroedRow()), r"'0' \(ZeroedRow\).*zero_ through a view"),
     "cpu draw": (CpuNoise, r"drawn on the CPU"),
+    "seed set again": (
+        lambda: nn.Sequential(Reseeded(forked=False)),
+        r"'0' \(Reseeded\) set the random state \(torch.manual_seed\)",
+    ),
+    "fork_rng": (
+        lambda: nn.Sequential(Reseeded(forked=True)),
+        r"'0' \(Reseeded\) set the random state \(torch.random.fork_rng\)",
+    ),
+    "child added after init_weights": (
+        lambda: nn.Sequential(GrownLater()),
+        r"'0' \(GrownLater\) was changed after its init_weights\(\).*\(second added\)",
+    ),
+    "head replaced": (
+        llama_with_new_head,
+        r"'model' \(LlamaForCausalLM\) was changed.*\(lm_head replaced\)",
+    ),
+    "argument rebound": (
+        lambda: nn.Sequential(RebindsArgument()),
+        r"'0' \(RebindsArgument\).*reset_parameters\(\) assigns its argument 'std'",
+    ),
     "init_weights never called": (
         lambda: nn.Sequential(Helper(4, 4)),
         r"'0' \(Helper\) defines init_weights\(\)",

@@ -12,21 +12,33 @@ model's tensors values:
   started; a call inside another (``init_weights()`` calling a block's) belongs to the
   outer one;
 - each in-place operation on a whole tensor outside such a call, with its arguments
-  (torchvision's ResNet draws ``nn.init.kaiming_normal_`` in its constructor).
+  (torchvision's ResNet draws ``nn.init.kaiming_normal_`` in its constructor); the
+  ``torch.nn.init`` functions that do nothing on the meta device (``orthogonal_``,
+  ``dirac_``, ``sparse_``, ``trunc_normal_``) or write through ``out=`` (``eye_``) are kept
+  as one step each, the function and its arguments.
+
+A call keeps the module tree it ran on (each submodule and the names of the tensors each
+holds) and each module's plain attributes (numbers, strings): setup replays it with those and
+refuses the model if the tree changed after the call (a head replaced, a child added).
 
 Setup replays these steps in their order from the random state the block started with,
 which draws exactly the numbers the whole build drew. What cannot be replayed from the
 record is kept as a refusal naming the module whose constructor did it: an in-place write
 through a view (``weight[0].zero_()``) or from a tensor computed during the build, a
 random tensor made there (``nn.Parameter(torch.randn(n))``), a draw from a generator of the
-model's own, and random numbers drawn on the CPU (or a seed set) once the first step has
-begun. What runs in the block before it, a seed or a draw, runs so in a whole build too:
+model's own, random numbers drawn on the CPU once the first step has begun, a seed or
+generator state set then (``torch.manual_seed``, ``torch.set_rng_state``,
+``torch.random.fork_rng``, watched for the block's duration), and an initialisation method
+that rebinds one of its arguments (setup reads them at its first torch call). What runs in
+the block before the first step, a seed or a draw, runs so in a whole build too:
 the replay starts from the generator's state at the first step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dis
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,9 +63,24 @@ RANDOM_FACTORIES = frozenset(
     | {"rand_like", "randn_like", "randint_like"}
 )
 """torch functions that make a new tensor of random numbers."""
+INIT_FUNCTIONS = {
+    f.__code__: f
+    for f in (nn.init.orthogonal_, nn.init.dirac_, nn.init.sparse_, nn.init.trunc_normal_)
+    + (nn.init.eye_,)
+}
+"""torch.nn.init's functions that set nothing on the meta device (they return early, or
+write through ``out=``): each call outside an `InitCall` is kept as an `InitOp` of its own,
+found by its code so that an alias (``from torch.nn.init import orthogonal_``) is too."""
+SEED_SETTERS = ("manual_seed", "seed", "set_rng_state", "fork_rng")
+"""The functions of ``torch`` and ``torch.random`` that set the CPU generator's state."""
+PLAIN = (bool, int, float, complex, str, bytes, type(None))
+"""The attribute values a call's snapshot keeps (an ``std``, a depth): holding any other
+object would keep alive what the model dropped (an LSTM's weak references to its weights)."""
 
 Held = tuple[tuple[nn.Module, str, torch.Tensor], ...]
 """(module, name, tensor) for each meta tensor of a module tree at one moment."""
+Layout = tuple[tuple[str, int, tuple[str, ...]], ...]
+"""(path, id of the module, names of its parameters and buffers) for each module of a tree."""
 
 
 def own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -74,6 +101,21 @@ def meta_held(module: nn.Module) -> Held:
     )
 
 
+def layout(module: nn.Module) -> Layout:
+    """The tree of `module` now: each submodule, by path, with the names of its tensors."""
+    return tuple(
+        (path, id(sub), (*sub._parameters, *sub._buffers)) for path, sub in module.named_modules()
+    )
+
+
+def attributes(module: nn.Module) -> tuple[tuple[nn.Module, dict[str, Any]], ...]:
+    """Each module of `module`'s tree with its attributes now that hold `PLAIN` values."""
+    return tuple(
+        (sub, {k: v for k, v in vars(sub).items() if isinstance(v, PLAIN)})
+        for sub in module.modules()
+    )
+
+
 @dataclass(frozen=True)
 class InitCall:
     """A call of ``module.<method>(*args, **kwargs)`` seen during the build."""
@@ -82,12 +124,36 @@ class InitCall:
     method: str
     held: Held
     """The meta tensors of the module's tree when the call started, where they were held."""
+    tree: Layout
+    """The module's tree when the call started."""
+    state: tuple[tuple[nn.Module, dict[str, Any]], ...]
+    """Each module of the tree with its plain attributes when the call started."""
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, module: nn.Module, method: str, *args: Any, **kwargs: Any) -> InitCall:
+        """The call of ``module.<method>(*args, **kwargs)`` starting now."""
+        return cls(
+            module, method, meta_held(module), layout(module), attributes(module), args, kwargs
+        )
+
     def run(self) -> None:
-        """Call it again."""
-        getattr(self.module, self.method)(*self.args, **self.kwargs)
+        """Call it again, each module of the tree holding the plain attributes it held then
+        (a number or string set since is set back for the call's duration)."""
+        swapped = []
+        for sub, kept in self.state:
+            now = vars(sub)
+            changed = {k: v for k, v in kept.items() if k not in now or now[k] is not v}
+            swapped.append((sub, {k: now[k] for k in changed if k in now}, changed))
+            now.update(changed)
+        try:
+            getattr(self.module, self.method)(*self.args, **self.kwargs)
+        finally:
+            for sub, before, changed in swapped:
+                for k in changed:
+                    vars(sub).pop(k)
+                vars(sub).update(before)
 
 
 @dataclass(frozen=True)
@@ -134,6 +200,8 @@ class BuildRecord:
     init_weights_ran: set[nn.Module] = field(default_factory=set)
     """Every module whose ``init_weights()`` ran, as a step or inside one."""
     unreplayable: list[Unreplayable] = field(default_factory=list)
+    reseeded: list[Unreplayable] = field(default_factory=list)
+    """Each setting of the CPU generator's state once the first step had started."""
     drew_on_cpu: bool = False
     """True if the CPU generator moved once the first step had started (a real tensor drew
     from it, or a seed was set): the steps after cannot draw as the whole build does."""
@@ -146,14 +214,14 @@ def _writes(name: str) -> bool:
     return name.endswith("_") and name not in NOT_WRITES
 
 
-def _arguments(frame: FrameType) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments, after ``self``, that the method running in `frame` was called with
-    (as its locals hold them now)."""
+def _arguments(frame: FrameType, first: int = 1) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments, from the `first` (1: after ``self``), that the function running in
+    `frame` was called with (as its locals hold them now)."""
     code, local = frame.f_code, frame.f_locals
     names = code.co_varnames
     positional = code.co_argcount
     keywords = names[positional : positional + code.co_kwonlyargcount]
-    args = tuple(local[n] for n in names[1:positional])
+    args = tuple(local[n] for n in names[first:positional])
     kwargs = {n: local[n] for n in keywords}
     rest = positional + code.co_kwonlyargcount
     if code.co_flags & inspect.CO_VARARGS:
@@ -162,6 +230,19 @@ def _arguments(frame: FrameType) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if code.co_flags & inspect.CO_VARKEYWORDS:
         kwargs.update(local[names[rest]])
     return args, kwargs
+
+
+@functools.cache
+def _rebinds_argument(code: Any) -> str | None:
+    """An argument (after ``self``) the function of `code` assigns or deletes, if any: its
+    arguments are read at its first torch call, too late to see the value it was given."""
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    names = set(code.co_varnames[1:count])
+    stores = (
+        i.argval for i in dis.get_instructions(code) if i.opname in {"STORE_FAST", "DELETE_FAST"}
+    )
+    return next((n for n in stores if n in names), None)
 
 
 class _Recorder(TorchFunctionMode):
@@ -173,7 +254,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.record = record
         self.outside = outside
-        self.call: FrameType | None = None  # the frame of the InitCall being recorded
+        self.call: FrameType | None = None  # the frame of the call being recorded as a step
         self.known: dict[int, torch.Tensor] = {}  # tensors whose values the replay holds
         self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (alias, base)
 
@@ -200,15 +281,19 @@ class _Recorder(TorchFunctionMode):
         values = [*args, *kwargs.values()]
         if any(isinstance(v, torch.Generator) for v in values):
             self._refuse(f"{name} with a generator of its own")
-        outer = None
+        outer = function = None
         for frame in self._frames():
             module = frame.f_locals.get("self") if frame.f_code.co_name in INIT_METHODS else None
             if isinstance(module, nn.Module):
                 if frame.f_code.co_name == "init_weights":
                     self.record.init_weights_ran.add(module)
                 outer = (frame, module)
+            if frame.f_code in INIT_FUNCTIONS:
+                function = frame
         if outer is not None:
             self._in_call(*outer)
+            return
+        if function is not None and self._in_function(function):
             return
         self.call = None
         # torch.nn.init's functions that are torch functions take the tensor by keyword.
@@ -229,12 +314,31 @@ class _Recorder(TorchFunctionMode):
         if frame is self.call:
             return
         self.call = frame  # held until the next step: its id is not reused meanwhile
+        method = frame.f_code.co_name
         args, kwargs = _arguments(frame)
         if any(isinstance(v, torch.Tensor) and v.is_meta for v in (*args, *kwargs.values())):
-            self._refuse(f"{frame.f_code.co_name}() given a tensor of the build")
-        call = InitCall(module, frame.f_code.co_name, meta_held(module), args, kwargs)
+            self._refuse(f"{method}() given a tensor of the build")
+        rebound = _rebinds_argument(frame.f_code)
+        if rebound is not None:
+            self._refuse(f"{method}() assigns its argument '{rebound}'")
+        call = InitCall.of(module, method, *args, **kwargs)
         self.known.update((id(t), t) for _, _, t in call.held)
         self._append(call)
+
+    def _in_function(self, frame: FrameType) -> bool:
+        """Record the call of a torch.nn.init function in `frame` on a meta tensor as one
+        step (its torch calls inside are not steps); False: not on a meta tensor."""
+        tensor = frame.f_locals.get("tensor")
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+            return False
+        if frame is not self.call:
+            self.call = frame
+            function = INIT_FUNCTIONS[frame.f_code]
+            args, kwargs = _arguments(frame, first=0)
+            if any(isinstance(v, torch.Generator) for v in (*args, *kwargs.values())):
+                self._refuse(f"{function.__name__} with a generator of its own")
+            self._in_place(function, function.__name__, tensor, args, kwargs)
+        return True
 
     def _in_place(
         self, func: Callable[..., Any], name: str, target: torch.Tensor, args: tuple, kwargs: dict
@@ -273,13 +377,41 @@ class _Recorder(TorchFunctionMode):
         return alias[1] if alias is not None and alias[0] is tensor else tensor
 
     def _refuse(self, what: str) -> None:
-        owner = None
+        self.record.unreplayable.append(Unreplayable(self._owner(), what))
+
+    def _owner(self) -> nn.Module | None:
+        """The module whose constructor is running (the innermost), if any."""
         for frame in self._frames():
             module = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
             if isinstance(module, nn.Module):
-                owner = module
-                break
-        self.record.unreplayable.append(Unreplayable(owner, what))
+                return module
+        return None
+
+    def watched(self, name: str, setter: Callable[..., Any]) -> Callable[..., Any]:
+        """`setter` of the CPU generator's state, noting each call once a step has started."""
+
+        @functools.wraps(setter)
+        def watched_setter(*args: Any, **kwargs: Any) -> Any:
+            if self.record.steps:
+                self.record.reseeded.append(Unreplayable(self._owner(), name))
+            return setter(*args, **kwargs)
+
+        return watched_setter
+
+
+@contextlib.contextmanager
+def _watching_seeds(recorder: _Recorder) -> Iterator[None]:
+    """Route `SEED_SETTERS` through `recorder` while the block runs (restored after it)."""
+    originals = [
+        (m, n, getattr(m, n)) for m in (torch, torch.random) for n in SEED_SETTERS if hasattr(m, n)
+    ]
+    for module, name, setter in originals:
+        setattr(module, name, recorder.watched(f"{module.__name__}.{name}", setter))
+    try:
+        yield
+    finally:
+        for module, name, setter in originals:
+            setattr(module, name, setter)
 
 
 @contextlib.contextmanager
@@ -294,7 +426,7 @@ def recording() -> Iterator[BuildRecord]:
         frame = frame.f_back
     recorder = _Recorder(record, outside)
     try:
-        with torch.device("meta"), recorder:
+        with _watching_seeds(recorder), torch.device("meta"), recorder:
             yield record
     finally:
         outside.clear()  # frames and the last call's locals are not kept past the block
