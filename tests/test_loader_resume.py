@@ -7,6 +7,9 @@ workers, and under ddp."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -83,8 +86,8 @@ def numbered(engine: dtrain.Engine, loader: Any, steps: int) -> None:
     in each; the loader's pass is the epoch the loop counts."""
     for epoch in range(engine.epoch, EPOCHS):
         for _, batch in enumerate(loader):
-            assert engine.epoch == epoch
             step(engine, batch)
+            assert engine.epoch == epoch
             if engine.step == steps:
                 return
 
@@ -135,6 +138,89 @@ def mixed(engine: dtrain.Engine, loader: Any, steps: int) -> None:
     plain(engine, loader, steps)
 
 
+def validated(engine: dtrain.Engine, loader: Any, steps: int, threaded: bool = False) -> None:
+    """A plain loop that reads a validation loader made as the training one (drop_last)
+    after every step: with gradients on, or (`threaded`) under ``torch.no_grad()`` but in a
+    background thread (where gradients are on); no step trains from it."""
+    validation = engine.dataloader(samples(), global_batch_size=16)
+
+    def check() -> None:
+        for inputs, _ in validation:
+            engine.module(inputs)
+
+    while engine.step < steps:
+        for batch in loader:
+            step(engine, batch)
+            if threaded:
+                with torch.no_grad():
+                    reader = threading.Thread(target=check)
+                    reader.start()
+                    reader.join()
+            else:
+                check()
+            if engine.step == steps:
+                return
+
+
+def one_ahead(loader: Any) -> Iterator[Any]:
+    """The batches of one pass over `loader`, each read one batch ahead (apex's
+    data_prefetcher, timm's PrefetchLoader)."""
+    batches = iter(loader)
+    ahead = next(batches, None)
+    while ahead is not None:
+        batch, ahead = ahead, next(batches, None)
+        yield batch
+
+
+def prefetched(engine: dtrain.Engine, loader: Any, steps: int) -> None:
+    """Passes read one batch ahead, stepped by train_step."""
+    while engine.step < steps:
+        for batch in one_ahead(loader):
+            step(engine, batch)
+            if engine.step == steps:
+                return
+
+
+def by_hand(engine: dtrain.Engine, batch: Any) -> None:
+    """Forward and `engine.backward` of one batch, as a loop written by hand."""
+    inputs, targets = engine.to_device(batch)
+    engine.backward(F.cross_entropy(engine.model(inputs), targets))
+
+
+def prefetched_by_hand(engine: dtrain.Engine, loader: Any, steps: int) -> None:
+    """Passes read one batch ahead, each step written by hand (apex's example loop)."""
+    assert engine.optimizer is not None
+    while engine.step < steps:
+        for batch in one_ahead(loader):
+            by_hand(engine, batch)
+            engine.optimizer.step()
+            engine.optimizer.zero_grad()
+            if engine.step == steps:
+                return
+
+
+def accumulated_by_hand(engine: dtrain.Engine, loader: Any, steps: int) -> None:
+    """Two loader batches a step, accumulated by hand (half the loss each)."""
+    assert engine.optimizer is not None
+    while engine.step < steps:
+        for i, batch in enumerate(loader):
+            inputs, targets = engine.to_device(batch)
+            engine.backward(F.cross_entropy(engine.model(inputs), targets) / 2)
+            if i % 2 == 1:
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+                if engine.step == steps:
+                    return
+
+
+def cycled(engine: dtrain.Engine, loader: Any, steps: int) -> None:
+    """``itertools.cycle(loader)``: its first pass, cached, replayed as every later one."""
+    for batch in itertools.cycle(loader):
+        step(engine, batch)
+        if engine.step == steps:
+            return
+
+
 LOOPS: dict[str, Callable[[dtrain.Engine, Any, int], None]] = {
     "plain": plain,
     "next": by_next,
@@ -143,7 +229,13 @@ LOOPS: dict[str, Callable[[dtrain.Engine, Any, int], None]] = {
     "progress": progress,
     "mixed": mixed,
     "evaluating": evaluating,
+    "validated": validated,
+    "threaded": functools.partial(validated, threaded=True),
+    "prefetched": prefetched,
+    "prefetched_by_hand": prefetched_by_hand,
 }
+ONLY_THEIR_OWN = {"accumulated_by_hand": accumulated_by_hand, "cycled": cycled}
+"""Loops whose runs differ from the others' (two batches a step; an epoch replayed)."""
 
 
 def train(
@@ -184,7 +276,7 @@ def train(
             evaluation = engine.dataloader(samples(), global_batch_size=16, drop_last=drop_last)
             engine.evaluate(evaluation, F.cross_entropy)
         engine.evaluate(loader, F.cross_entropy)
-    LOOPS[loop](engine, loader, steps)
+    {**LOOPS, **ONLY_THEIR_OWN}[loop](engine, loader, steps)
     if save is not None:
         engine.save(save)
     del model, optimizer
@@ -242,6 +334,44 @@ def test_a_checkpoint_at_an_epochs_end_continues_with_the_next(
 ) -> None:
     resumed = train(STEPS, loop, load=saved["plain", END_OF_EPOCH], torch_seed=1)
     assert_close(resumed, reference["map"])
+
+
+@pytest.mark.parametrize("loop", ["validated", "threaded", "prefetched", "prefetched_by_hand"])
+def test_only_trained_batches_move_the_position(
+    loop: str, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """A validation loader read with gradients on (in this thread, or under no_grad in
+    another) trains no step and moves nothing; a batch read ahead is not yet trained. A
+    run interrupted mid-epoch and at an epoch's end continues as the uninterrupted one."""
+    for steps, epoch, trained in ((MID_EPOCH, 1, 3), (END_OF_EPOCH, 0, 6)):
+        path = str(tmp_path / f"{loop}-{steps}")
+        train(steps, loop, save=path)
+        trainer = torch.load(Path(path) / "trainer.pt", weights_only=False)
+        assert (trainer["epoch"], trainer["samples_in_epoch"]) == (epoch, trained * GLOBAL_BATCH)
+        resumed = train(STEPS, loop, load=path, torch_seed=1)
+        assert_close(resumed, reference["map"], msg=lambda m, s=steps: f"at {s}: {m}")
+
+
+def test_batches_accumulated_by_hand_count_as_one_step(tmp_path: Path) -> None:
+    """Two loader batches a step (3 steps an epoch): interrupted one step into epoch 1
+    and at its end, the run continues as the uninterrupted one."""
+    expected = train(7, "accumulated_by_hand")
+    for steps, trained in ((4, 2), (6, 6)):
+        path = str(tmp_path / str(steps))
+        train(steps, "accumulated_by_hand", save=path)
+        trainer = torch.load(Path(path) / "trainer.pt", weights_only=False)
+        assert (trainer["epoch"], trainer["samples_in_epoch"]) == (1, trained * GLOBAL_BATCH)
+        resumed = train(7, "accumulated_by_hand", load=path, torch_seed=1)
+        assert_close(resumed, expected, msg=lambda m, s=steps: f"at {s}: {m}")
+
+
+def test_a_loader_wrapped_in_itertools_cycle_is_refused_at_the_resume(tmp_path: Path) -> None:
+    """itertools.cycle replays the first epoch: the checkpoint counts more batches of it
+    than it holds, and the resume is refused by name instead of reading an empty pass."""
+    path = str(tmp_path / "cycled")
+    train(END_OF_EPOCH + 2, "cycled", save=path)
+    with pytest.raises(dtrain.SetupError, match="itertools.cycle"):
+        train(STEPS, "cycled", load=path)
 
 
 def test_evaluations_leave_the_resume_point_alone(

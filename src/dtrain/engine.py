@@ -93,14 +93,16 @@ class Engine(JobView, DataSide, CheckpointSide):
 
         The block records how the build initialises the tensors and setup replays it in the
         same order: each ``reset_parameters()`` (torch's layers), each ``init_weights()``
-        (a constructor ending with it, Hugging Face's ``post_init``), each in-place
-        ``torch.nn.init`` call a constructor makes itself (torchvision's ResNet). A model
-        whose constructor does not call its ``init_weights()`` (torchtitan's) has it called
-        once after, as its trainer does. Refused at setup, naming the module and what to do:
-        a tensor nothing replayable sets (a value computed in a constructor), a write through
-        a view or a random tensor made in a constructor, random numbers drawn on the CPU or a
-        seed set once the build's initialisation began (see `dtrain.parallel.materialize`);
-        a seed set in the block before building is honoured. Build the optimizer from
+        (a constructor ending with it, Hugging Face's ``post_init``), each ``torch.nn.init``
+        call a constructor makes itself (torchvision's ResNet). A model whose constructor
+        does not call its ``init_weights()`` (torchtitan's) has it called once after, as its
+        trainer does. Refused at setup, naming the module and what to do: a tensor nothing
+        replayable sets (a value computed in a constructor), a write through a view or a
+        random tensor made in a constructor, random numbers drawn on the CPU or a seed set
+        once the build's initialisation began, a module changed after its init method ran
+        (a head replaced), an init method that rebinds its own argument (see
+        `dtrain.parallel.materialize`); a seed set in the block before building is
+        honoured. Build the optimizer from
         ``model.parameters()`` as usual: setup keeps it pointing at what trains."""
         with build_record.recording() as record:
             yield
@@ -143,7 +145,7 @@ class Engine(JobView, DataSide, CheckpointSide):
 
     def _count_step(self, *_: Any) -> None:
         self.position.step += 1
-        self.position.samples_in_epoch += self.position.samples_per_step
+        self.position.stepped()
         self.observers.on_optimizer_step(self.position.step)
 
     def _skipped_step(self, hooks_ran: bool) -> None:
@@ -194,10 +196,12 @@ class Engine(JobView, DataSide, CheckpointSide):
         step = self.position.step + 1
         loss = None
         self.observers.on_step_start(step)
+        self.position.one_batch = True  # its step trains one batch of the loader
         try:
             loss = self._step(step, batch, loss_fn, self.optimizer)
             return loss
         finally:
+            self.position.one_batch = False
             self.observers.on_step_end(step, loss)  # also when the step raised (loss None)
 
     def _step(

@@ -154,7 +154,7 @@ class Feeder:
                 return
             batches, skip = loader, 0
             per_step = (loader.batch_size or 0) * self.dp_size
-            self.position.enter(epoch, 0, per_step, self.position.shuffle_seed)
+            self.position.enter(epoch, per_step, self.position.shuffle_seed)
         yield from track(
             batches,
             total=None if (length := _length(loader)) is None else length - skip,

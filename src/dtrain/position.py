@@ -1,4 +1,11 @@
-"""Where training stands: the counters a checkpoint restores besides the states."""
+"""Where training stands: the counters a checkpoint restores besides the states.
+
+The data position counts the samples TRAINED, not those read: a training pass records the
+batches it yields (`TrainingPass`), and each optimizer step commits the batches it trained
+from the pass it trains from. So a batch read ahead (a prefetcher one batch ahead, a
+background thread) is not yet trained, and a pass that trains no step (a validation pass
+read with gradients on, in this thread or another) leaves the position as it found it.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +17,9 @@ from dtrain.errors import SetupError
 @dataclass
 class Position:
     """The run's optimizer steps and data position, shared by the Engine (which counts
-    steps), the training loader (which moves the data position, `dtrain.resumable`) and
-    its checkpoints (which save and restore them)."""
+    steps and commits the batches they trained), the training loader (whose passes count
+    the batches they read, `dtrain.resumable`) and its checkpoints (which save and restore
+    them)."""
 
     step: int = 0
     """Optimizer steps taken."""
@@ -29,6 +37,12 @@ class Position:
     resume_at: tuple[int, int] | None = None
     """(epoch, samples) a loaded checkpoint had trained; the next training pass (a plain
     loop's or `engine.progress`'s) skips them (`take_resume`)."""
+    one_batch: bool = False
+    """A step of `engine.train_step` is running: it trains one batch of the loader."""
+    _trains: TrainingPass | None = field(default=None, repr=False)
+    """The pass the steps train from."""
+    _newest: TrainingPass | None = field(default=None, repr=False)
+    """The training pass that yielded a batch last since the previous step (None: none)."""
     _taken: tuple[object, int] | None = field(default=None, repr=False)
     """The pass that took the resume point and the step count then, until it trained a
     batch or read to its end."""
@@ -54,6 +68,7 @@ class Position:
         if chosen and epoch < resume_epoch:
             return None
         self.resume_at = None
+        self._trains = None  # a pass read before the load trains nothing after it
         self._taken = None if reader is None else (reader, self.step)
         if chosen and epoch > resume_epoch:
             return epoch, 0
@@ -81,10 +96,78 @@ class Position:
         if self._taken is not None and self._taken[0] is reader:
             self._taken = None
 
-    def enter(self, epoch: int, trained: int, per_step: int, shuffle_seed: int | None) -> None:
-        """Training is now in `epoch`, `trained` samples into it, taking `per_step` a step
-        from a loader shuffled by `shuffle_seed`."""
+    def enter(self, epoch: int, per_step: int, shuffle_seed: int | None) -> None:
+        """Training is now at the start of `epoch` of a loader other than dtrain's, taking
+        `per_step` samples a step, shuffled by `shuffle_seed` (``engine.progress``'s)."""
         self.epoch = epoch
-        self.samples_in_epoch = trained
+        self.samples_in_epoch = 0
         self.samples_per_step = per_step
         self.shuffle_seed = shuffle_seed
+        self._trains = self._newest = None
+
+    def read(self, reader: TrainingPass) -> None:
+        """The training pass `reader` yielded a batch (it counted it itself)."""
+        self._newest = reader
+
+    def stepped(self) -> None:
+        """An optimizer step: commit the batches it trained.
+
+        It trains from the pass it trained from before while that one holds batches read
+        and not yet trained (read ahead), else from the pass that read last since the
+        previous step (the next epoch's; a validation pass read between steps is never
+        followed by a step of its own), else again from the same one (batches it did not
+        read: replayed by ``itertools.cycle``, refused at the resume). A step of
+        `engine.train_step` trains one batch; a step written by hand the batches its pass
+        read for its first step, then those read between its first and second steps (the
+        batches it accumulates; a pass one batch ahead reads one more before its first).
+        """
+        trains, newest = self._trains, self._newest
+        self._newest = None
+        if newest is not None and (trains is None or trains.trained() >= trains.read):
+            trains = self._trains = newest
+        if trains is None:  # engine.progress over a loader of the user's
+            self.samples_in_epoch += self.samples_per_step
+            return
+        trains.step(self.one_batch)
+        self.epoch = trains.epoch
+        self.samples_in_epoch = trains.trained() * trains.per_step
+        self.samples_per_step = trains.per_step
+        self.shuffle_seed = trains.seed
+
+
+@dataclass(eq=False)
+class TrainingPass:
+    """One training pass over a loader of `engine.dataloader`, as the position counts it:
+    batches in its epoch's order, each of `per_step` samples."""
+
+    epoch: int
+    per_step: int
+    seed: int | None
+    """Its shuffle seed (None: not shuffled)."""
+    start: int
+    """The batches of the epoch trained before it (skipped after a load)."""
+    read: int
+    """The batches of the epoch read: `start`, then one more at each yield."""
+    steps: int = 0
+    """The steps trained from it."""
+    per: int = 0
+    """Batches a step trains (learnt by steps written by hand)."""
+    read_at_step: int = 0
+    """`read` at its last step."""
+
+    def trained(self) -> int:
+        """The batches of the epoch trained (more than `read` once a step trains batches
+        the pass never read)."""
+        return self.start + self.steps * self.per
+
+    def step(self, one_batch: bool) -> None:
+        """A step trained from this pass: one batch (`one_batch`), or by hand the batches
+        read for its first step, then (from the second) those read between the two."""
+        self.steps += 1
+        if one_batch:
+            self.per = 1
+        elif self.steps == 1:
+            self.per = max(self.read - self.start, 1)
+        elif self.steps == 2 and self.read > self.read_at_step:
+            self.per = self.read - self.read_at_step
+        self.read_at_step = self.read

@@ -9,8 +9,10 @@ read to its end moves the count on, as a loop that calls a DistributedSampler's
 epoch again from its start, as a new pass over torch's loaders does.
 
 A training pass is one of a training loader (drop_last) that starts with gradients on, or
-any pass of `engine.progress`. Each of its batches moves the run's `Position` there, so a
-checkpoint records where a plain loop stands as well as ``progress``'s. An evaluation's
+any pass of `engine.progress`. It records the batches it yields, and each optimizer step
+moves the run's `Position` past the batches it trained (not those read ahead: see
+`dtrain.position`), so a checkpoint records where a plain loop stands as well as
+``progress``'s. An evaluation's
 pass (`engine.evaluate` and ``torch.no_grad()`` loops turn gradients off; an evaluation
 loader without drop_last) reads its epoch whole and leaves the position and the count
 alone, even over the training loader in the middle of its epoch.
@@ -32,7 +34,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from dtrain.data import ShardedBatchSampler
-from dtrain.position import Position
+from dtrain.errors import SetupError
+from dtrain.position import Position, TrainingPass
 from dtrain.streams import StreamShare
 
 Share = ShardedBatchSampler | StreamShare
@@ -46,7 +49,8 @@ class ResumableLoader(DataLoader):
     Args:
         dataset, loader_kwargs: as for DataLoader (the share is in them).
         share: sets each pass's epoch and the batches it leaves out.
-        position: where training stands; moved by training passes, read after a load.
+        position: where training stands; its training passes count the batches they
+            yield, the steps those they train; read after a load.
         training: a training loader (drop_last), whose passes with gradients on train.
     """
 
@@ -105,19 +109,39 @@ class ResumableLoader(DataLoader):
             share.seed = where.shuffle_seed  # the checkpoint's order, skipped below
         epoch, trained = start
         skip = trained // share.global_batch_size
+        self._refuse_a_replayed_epoch(skip)
         self._next_epoch = epoch  # until the pass reads to its end
         # Before the DataLoader's iterator starts: its workers read it when they start.
         share.set_epoch(epoch, skip)
         return self._train(epoch, skip, reader), skip
 
+    def _refuse_a_replayed_epoch(self, skip: int) -> None:
+        """A SetupError if the checkpoint had trained more batches of its epoch than the
+        epoch holds: steps went on after the pass read its last batch."""
+        try:
+            length = len(self.share)
+        except TypeError:  # a stream that does not know its length
+            return
+        if skip > length:
+            raise SetupError(
+                f"The checkpoint had trained {skip} batches of an epoch of {length}: its "
+                "steps trained batches its pass over the training loader never read, as "
+                "when the loader is wrapped in itertools.cycle (which replays its first "
+                "epoch, cached, instead of reading the next). Do not wrap the loader in "
+                "itertools.cycle; loop over epochs instead (while engine.step < steps: "
+                "for batch in loader: ...), each pass reading the next epoch."
+            )
+
     def _train(self, epoch: int, skip: int, reader: object) -> Iterator[Any]:
-        """The batches of a training pass over `epoch` after its first `skip`, each moving
-        the position to itself; once they are all read, the count moves on."""
+        """The batches of a training pass over `epoch` after its first `skip`, each
+        counted as read (the steps count them trained); once they are all read, the
+        count moves on."""
         where, share = self.position, self.share
-        per_step = share.global_batch_size
         seed = share.seed if share.shuffle else None
-        for t, batch in enumerate(super().__iter__(), skip):
-            where.enter(epoch, t * per_step, per_step, seed)
+        counted = TrainingPass(epoch, share.global_batch_size, seed, skip, skip)
+        for batch in super().__iter__():
+            counted.read += 1
+            where.read(counted)
             yield batch
         where.finished(reader)
         self._next_epoch = epoch + 1
