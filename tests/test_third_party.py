@@ -25,6 +25,7 @@ from third_party import (
     HF_LM_KINDS,
     RESNET,
     TITAN,
+    TITAN_LIKE,
     build,
     titan_missing,
     train_model,
@@ -70,6 +71,7 @@ MATRIX: dict[str, list[str]] = {
     # GPT-2's Conv1D layers cannot be split by torch's tensor-parallel styles.
     "bert": ["towers", "ddp", "zero3", "tensor"],
     "gpt2": ["towers", "ddp", "zero3"],
+    TITAN_LIKE: ["ddp", "zero2", "zero3", "pipeline", "zero3+init_empty", "ps", *IN_PROCESS],
     RESNET: ["ddp+sync_batchnorm", "zero3+sync_batchnorm", "single+init_empty"],
 }
 """The strategies each model is trained under."""

@@ -28,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402, N812 - torch's usual alias
 from hf_training import BERT_TP_PLAN, Tokens  # noqa: E402
 from hf_training import build as build_hf_classic  # noqa: E402
 from resnet18 import resnet18  # noqa: E402
+from titan_like import TitanLike  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from training import finish  # noqa: E402
@@ -50,6 +51,10 @@ CLASSIC_KINDS = ("bert", "gpt2")
 """tests/hf_training.py's BERT classifier and GPT-2 (trained on its own token set)."""
 TITAN = "titan"
 """torchtitan's Llama3."""
+TITAN_LIKE = "titan_like"
+"""tests/titan_like.py: torchtitan's habits in a model of our own (runs where torchtitan is
+not installed): blocks in a ``ModuleDict`` named ``layers`` called with the rotary table,
+a complex64 table rebound by ``init_weights``, which the trainer calls after the build."""
 RESNET = "resnet18"
 """A ResNet-18 after torchvision's layout (BatchNorm in every block)."""
 ATTENTION = "sdpa"
@@ -199,6 +204,11 @@ def build(kind: str, empty: bool) -> nn.Module:
         return build_hf_classic(kind)
     if kind == RESNET:
         return resnet18(num_classes=10, width=8)
+    if kind == TITAN_LIKE:
+        model = TitanLike()
+        if not empty:
+            model.init_weights()
+        return model
     if kind == TITAN:
         model = titan_llama3()
         if not empty:
@@ -213,7 +223,7 @@ def dataset(kind: str) -> Dataset:
         return Tokens(kind)
     if kind == RESNET:
         return Images()
-    return CausalTokens(pairs=kind == TITAN)
+    return CausalTokens(pairs=kind in (TITAN, TITAN_LIKE))
 
 
 def train_model(
@@ -254,7 +264,9 @@ def _fit(engine: dtrain.Engine, kind: str, steps: int, init_empty: bool) -> None
     model, optimizer = engine.setup(model, optimizer)
     loader = engine.dataloader(dataset(kind), global_batch_size=GLOBAL_BATCH)
     # None: a Hugging Face model's own loss.
-    loss_fn = {TITAN: next_token_loss, RESNET: F.cross_entropy}.get(kind)
+    loss_fn = {TITAN: next_token_loss, TITAN_LIKE: next_token_loss, RESNET: F.cross_entropy}.get(
+        kind
+    )
     for batch in engine.progress(loader):
         engine.train_step(batch, loss_fn)
         if engine.step == steps:

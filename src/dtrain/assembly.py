@@ -14,6 +14,7 @@ from torch import nn
 
 from dtrain.checkpointing import Checkpoints
 from dtrain.config import Config
+from dtrain.feeding import TrainedSamples
 from dtrain.observe.events import Observers
 from dtrain.observe.gpu_use import GpuUse
 from dtrain.observe.loss_reads import LossReads
@@ -72,7 +73,8 @@ def watchers(
     more = "--nproc" if spec.multiprocess else "--strategy ddp --nproc"
     more = "--towers" if spec.name == "towers" else more
     gpus = GpuUse(strategy.placement.devices, topology.is_main, more)
-    observers = Observers([checkpoints, report, loss, timing, memory, gpus, summary])
+    watched = [checkpoints, report, loss, timing, memory, gpus, summary]
+    observers = Observers([TrainedSamples(position), *watched])
     return Watchers(checkpoints, report, timing, loss, memory, observers)
 
 

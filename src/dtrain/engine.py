@@ -145,7 +145,6 @@ class Engine(JobView, DataSide, CheckpointSide):
 
     def _count_step(self, *_: Any) -> None:
         self.position.step += 1
-        self.position.stepped()
         self.observers.on_optimizer_step(self.position.step)
 
     def _skipped_step(self, hooks_ran: bool) -> None:

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dtrain.config import Config
 from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
+from dtrain.observe.events import Observer
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.progress import Throughput, track
@@ -295,3 +296,15 @@ def _length(loader: DataLoader) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+class TrainedSamples(Observer):
+    """Moves the data position at each optimizer step by what the step trained
+    (`Position.stepped`); the first of the Engine's observers, so that whatever another
+    one does at that step (a checkpoint) sees the position after it."""
+
+    def __init__(self, position: Position) -> None:
+        self.position = position
+
+    def on_optimizer_end(self, step: int) -> None:
+        self.position.stepped()

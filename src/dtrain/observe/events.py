@@ -148,7 +148,8 @@ class Observer:
 class Observers:
     """The Engine's observers, told every event in list order.
 
-    The order matters: the loss reads come before the timing, so that a read at
+    The order matters: the data position moves first, so that a checkpoint saved at a
+    step records what the step trained; the loss reads come before the timing, so that a read at
     ``on_gradients`` is not counted in the optimizer phase; the timing before the memory
     report, whose work in its (first) step is then not timed as the step's; the summary
     last, as it reads what the others added to the results and writes them.
