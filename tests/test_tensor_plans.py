@@ -39,6 +39,9 @@ from dtrain.parallel.packed import PackedColwiseParallel, row_exchange  # noqa: 
 from dtrain.parallel.tensor_plan import plan_of  # noqa: E402
 
 KINDS = ("llama", "qwen2", "neox", "nanogpt")
+TRAINED = ("nanogpt",)
+"""Trained here under tensor against single; the Hugging Face models train in
+tests/test_third_party.py's matrix (tensor, dp2 x tp2, pp2 x tp2), with their config's plan."""
 SIZES = {
     "vocab_size": VOCAB,
     "hidden_size": 32,
@@ -157,8 +160,8 @@ def tensor_runs(checkpoint: str) -> list[dict[str, torch.Tensor] | None]:
     """Every kind under tensor parallelism over 2 ranks, in one process group; the last
     saves a sharded checkpoint to `checkpoint`."""
     out = []
-    for i, kind in enumerate(KINDS):
-        last = i == len(KINDS) - 1
+    for i, kind in enumerate(TRAINED):
+        last = i == len(TRAINED) - 1
         saving = {"checkpoint_out": checkpoint, "checkpoint_format": "sharded"} if last else {}
         out.append(train_kind(kind, close=last, strategy="tensor", **saving))
     return out
@@ -258,7 +261,7 @@ def test_the_row_exchange_gives_each_rank_its_slice_of_every_part(ranks: int) ->
 # -- training, against one process ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict[str, torch.Tensor]]:
-    return {kind: train_kind(kind, strategy="single") for kind in KINDS}
+    return {kind: train_kind(kind, strategy="single") for kind in TRAINED}
 
 
 @pytest.fixture(scope="module")
@@ -269,20 +272,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tensor_params(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
     results = run_ranks(tensor_runs, 2, str(checkpoint), timeout=400)[0]
-    return dict(zip(KINDS, results, strict=True))
+    return dict(zip(TRAINED, results, strict=True))
 
 
 @pytest.mark.timeout(450)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRAINED)
 def test_tensor_plans_train_as_single(
     kind: str,
     references: dict[str, dict[str, torch.Tensor]],
     tensor_params: dict[str, dict[str, torch.Tensor]],
 ) -> None:
     assert_close(tensor_params[kind], references[kind], atol=1e-4, rtol=1e-4)
-    params = tensor_params[kind]
-    if kind == "qwen2":
-        assert torch.equal(params["lm_head.weight"], params["model.embed_tokens.weight"])
 
 
 @pytest.mark.timeout(450)
