@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import AbstractContextManager, nullcontext
 
 from dtrain.advice import running_as
 from dtrain.cli_checks import check_demo, check_run
@@ -69,22 +70,26 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         check_training_args(args)
     runner = import_quietly("dtrain.launch.runner")
+    out_held: AbstractContextManager[object] = nullcontext()
     if args.command == "run":
         kind = "module" if args.module else "script"
         target = runner.Target(kind, args.script, tuple(args.script_args))
     else:
-        check_demo(config, args)
+        out_held = check_demo(config, args)
         target = runner.Target("module", DEMO_MODULE, tuple(argv[1:]))
-    if args.strategy is None:
-        many = config.hosts or config.hostfile
-        processes = "every host's processes" if many else f"{config.nproc * config.nnodes}"
-        print(
-            f"dtrain: strategy {config.strategy} ({processes}"
-            f"{'' if many else ' process(es)'}; choose another with --strategy).",
-            file=sys.stderr,
-            flush=True,
-        )
-    runner.launch(config, target)
+    # --out stays locked while the run lasts, restarts under --max-restarts included
+    # (this process outlives them), and is let go however it ends
+    with out_held:
+        if args.strategy is None:
+            many = config.hosts or config.hostfile
+            processes = "every host's processes" if many else f"{config.nproc * config.nnodes}"
+            print(
+                f"dtrain: strategy {config.strategy} ({processes}"
+                f"{'' if many else ' process(es)'}; choose another with --strategy).",
+                file=sys.stderr,
+                flush=True,
+            )
+        runner.launch(config, target)
     return 0
 
 

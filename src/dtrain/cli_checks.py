@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 import zipfile
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from dtrain.config import Config
@@ -22,9 +23,10 @@ SNIFF_BYTES = 8192
 """How much of a SCRIPT is read to tell a binary file from Python source."""
 
 
-def check_demo(config: Config, args: argparse.Namespace) -> None:
+def check_demo(config: Config, args: argparse.Namespace) -> AbstractContextManager[object]:
     """`dtrain demo`'s checks: its flags completed, its batch divides over the layout, and
-    the outputs (on node 0, where rank 0 writes them)."""
+    the outputs (on node 0, where rank 0 writes them). Returns the hold on --out (node 0's
+    lock on it; nothing elsewhere), to keep for the run's life with ``with``."""
     from dtrain import demo_checks
     from dtrain.batches import check_batch
     from dtrain.launch.hosts import as_nodes, hosts_of
@@ -39,7 +41,8 @@ def check_demo(config: Config, args: argparse.Namespace) -> None:
     check_batch(args.global_batch_size, dp_size, splits, config.grad_accumulation)
     if config.node_rank == 0:
         _check_outputs(config, args.out)
-        demo_checks.claim_out(args)
+        return demo_checks.claim_out(args)
+    return nullcontext()
 
 
 def check_run(config: Config, args: argparse.Namespace) -> None:

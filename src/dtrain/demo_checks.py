@@ -1,5 +1,6 @@
 """The demo's flags completed and checked, before any process starts (the launcher calls
-these) and again in each worker: the model's defaults filled in, --out claimed.
+these) and again in each worker: the model's defaults filled in, --out claimed (locked
+for the run's life, see `dtrain.checkpoint.out_lock`).
 
 Kept apart from `dtrain.demo` so that checking a command does not import the module the
 launcher then runs as ``__main__``.
@@ -12,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from dtrain import checkpoint
+from dtrain.checkpoint import out_lock
 from dtrain.errors import ConfigError
 from dtrain.models import check_size
 from dtrain.tasks import TASKS
@@ -35,20 +37,30 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def claim_out(args: argparse.Namespace) -> None:
-    """Refuse an --out holding an earlier run's checkpoints unless --resume continues it or
-    --overwrite starts afresh (deleting them): mixing two runs there would let a later
-    --resume pick up the wrong one. Called by the launcher, before any process starts."""
+def claim_out(args: argparse.Namespace) -> out_lock.OutLock:
+    """Lock --out for this run, then refuse it if it holds an earlier run's checkpoints
+    unless --resume continues it or --overwrite starts afresh (deleting them): mixing two
+    runs there would let a later --resume pick up the wrong one. The lock comes first, so
+    a run already training there is refused before anything is deleted. Called by the
+    launcher, before any process starts; returns the lock, which the launcher holds until
+    the run ends."""
     root = args.out / "checkpoints"
     if args.resume and args.overwrite:
         raise ConfigError(
             "--resume continues the run in --out and --overwrite deletes it; pick one."
         )
-    if args.resume or not checkpoint.find_latest(root):
-        return
-    if not args.overwrite:
-        raise ConfigError(
-            f"{args.out} already holds checkpoints of an earlier run; add --resume to continue "
-            "it, --overwrite to start afresh (deleting them), or choose another --out."
-        )
-    shutil.rmtree(root)
+    lock = out_lock.take(args.out)
+    try:
+        if args.resume or not checkpoint.find_latest(root):
+            return lock
+        if not args.overwrite:
+            raise ConfigError(
+                f"{args.out} already holds checkpoints of an earlier run; add --resume to "
+                "continue it, --overwrite to start afresh (deleting them), or choose another "
+                "--out."
+            )
+        shutil.rmtree(root)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
