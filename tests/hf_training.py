@@ -28,8 +28,17 @@ BERT_TP_PLAN = {
 hf_logging.set_verbosity_error()
 
 
+def prompt_masked(ids: torch.Tensor, i: int) -> torch.Tensor:
+    """Sample `i`'s labels: its tokens, a prompt of 0 to 5 of them first left out of the
+    loss (-100), so that the shares of a batch hold unequal counts of labels."""
+    labels = ids.clone()
+    labels[: i % 6] = -100
+    return labels
+
+
 class Tokens(Dataset):
-    """Random token sequences with a class label (BERT) or as their own targets (GPT-2)."""
+    """Random token sequences with a class label (BERT) or as their own targets (GPT-2, a
+    prompt left out of the loss)."""
 
     def __init__(self, kind: str) -> None:
         generator = torch.Generator().manual_seed(0)
@@ -48,7 +57,7 @@ class Tokens(Dataset):
                 "attention_mask": torch.ones_like(ids),
                 "labels": self.classes[i],
             }
-        return {"input_ids": ids, "labels": ids}
+        return {"input_ids": ids, "labels": prompt_masked(ids, i)}
 
 
 def build(kind: str) -> torch.nn.Module:

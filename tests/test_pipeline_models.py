@@ -80,7 +80,7 @@ def build(kind: str) -> nn.Module:
 
 class Tokens(Dataset):
     """Random token sequences as their own labels; with `padded`, an attention mask that
-    pads the end of every third sequence (Llama's batches)."""
+    pads the end of every third sequence, left out of the loss (Llama's batches)."""
 
     def __init__(self, padded: bool) -> None:
         generator = torch.Generator().manual_seed(1)
@@ -93,7 +93,9 @@ class Tokens(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         item = {"input_ids": self.ids[i], "labels": self.ids[i]}
         if self.padded:
-            item["attention_mask"] = (torch.arange(LENGTH) < LENGTH - 4 * (i % 3 == 0)).long()
+            mask = (torch.arange(LENGTH) < LENGTH - 4 * (i % 3 == 0)).long()
+            item["attention_mask"] = mask
+            item["labels"] = self.ids[i].masked_fill(mask == 0, -100)
         return item
 
 

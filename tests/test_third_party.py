@@ -46,7 +46,11 @@ CELLS: dict[str, dict[str, Any]] = {
     "tensor": {"strategy": "tensor"},
     "pipeline": {"strategy": "pipeline"},
     "zero3+init_empty": {"strategy": "zero3", INIT_EMPTY: True},
-    "ddp+checkpointing": {"strategy": "ddp", "activation_checkpointing": "full"},
+    "ddp+checkpointing+accumulation": {
+        "strategy": "ddp",
+        "activation_checkpointing": "full",
+        "grad_accumulation": 2,
+    },
     "ps": {},  # two workers and one server: ps_runs adds the layout
     "dp2xtp2": {"strategy": "hybrid", "tp": 2},
     "pp2xtp2": {"strategy": "hybrid", "pp": 2, "tp": 2},
@@ -58,8 +62,8 @@ CELLS: dict[str, dict[str, Any]] = {
 """Every strategy of the matrix, by the name its cells go by."""
 IN_PROCESS = ["towers", "single+init_empty"]
 TWO_RANKS = [
-    "ddp", "zero2", "zero3", "tensor", "pipeline", "zero3+init_empty", "ddp+checkpointing",
-    "ddp+sync_batchnorm", "zero3+sync_batchnorm",
+    "ddp", "zero2", "zero3", "tensor", "pipeline", "zero3+init_empty",
+    "ddp+checkpointing+accumulation", "ddp+sync_batchnorm", "zero3+sync_batchnorm",
 ]  # fmt: skip
 HYBRID = ["dp2xtp2", "pp2xtp2"]
 Results = dict[tuple[str, str], Any]
@@ -142,7 +146,7 @@ def test_tied_output_layers_stay_tied(references: dict[str, dict[str, torch.Tens
     assert_close(qwen2["lm_head.weight"], qwen2["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("kind", [kind for kind, _ in cells(["ddp+checkpointing"])])
+@pytest.mark.parametrize("kind", [kind for kind, _ in cells(["ddp+checkpointing+accumulation"])])
 def test_checkpointing_recomputes_every_decoder_layer(kind: str) -> None:
     """The checkpointing cells are not vacuous: `full` finds each model's 2 layers."""
     engine = dtrain.init(strategy="single", activation_checkpointing="full")

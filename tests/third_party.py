@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402, N812 - torch's usual alias
-from hf_training import BERT_TP_PLAN, Tokens  # noqa: E402
+from hf_training import BERT_TP_PLAN, Tokens, prompt_masked  # noqa: E402
 from hf_training import build as build_hf_classic  # noqa: E402
 from resnet18 import resnet18  # noqa: E402
 from titan_like import TitanLike  # noqa: E402
@@ -64,7 +64,8 @@ default."""
 
 class CausalTokens(Dataset):
     """Random token sequences: ``{"input_ids", "labels"}`` dicts (a Hugging Face model
-    shifts the labels itself), or with `pairs` ``(inputs, targets)`` shifted by one."""
+    shifts the labels itself; a prompt is left out of the loss: `prompt_masked`), or with
+    `pairs` ``(inputs, targets)`` shifted by one."""
 
     def __init__(self, pairs: bool = False) -> None:
         generator = torch.Generator().manual_seed(0)
@@ -77,7 +78,7 @@ class CausalTokens(Dataset):
     def __getitem__(self, i: int) -> Any:
         if self.pairs:
             return self.ids[i, :-1], self.ids[i, 1:]
-        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, :-1]}
+        return {"input_ids": self.ids[i, :-1], "labels": prompt_masked(self.ids[i, :-1], i)}
 
 
 class Images(Dataset):

@@ -158,6 +158,8 @@ class DictFeed:
     """Keys every stage is given besides the activation (``attention_mask``)."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """The model's own loss: ``loss(last stage's output, targets)``, a batch mean."""
+    count: Callable[[torch.Tensor], torch.Tensor] | None
+    """How many of the targets that mean is over (None: a mean over samples)."""
     model: str
     """The model's class, for messages."""
 

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dtrain.assembly import banner, loss_scaling, release, watchers
@@ -25,7 +24,7 @@ from dtrain.batches import LossFn, batch_size, split, to_device
 from dtrain.checkpointing import CheckpointSide
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, ConfigError, SetupError
-from dtrain.evaluation import evaluation_sums, shortfall
+from dtrain.evaluation import evaluate, shortfall
 from dtrain.feeding import DataSide, Feeder
 from dtrain.job_view import JobView
 from dtrain.observe.events import End, Run
@@ -180,12 +179,15 @@ class Engine(JobView, DataSide, CheckpointSide):
         targets)``), a dict (``model(**batch)``; the loss is ``loss_fn(output, batch)``, or
         with ``loss_fn=None`` the output's own ``.loss``, as Hugging Face models return it
         given labels), or any nesting of tensors (``model(batch)``); see `dtrain.batches`.
-        The loss must be the mean over the batch's samples. With ``grad_accumulation=k``
-        the batch is cut along its first dimension into k micro-batches whose gradients
-        are accumulated locally and synchronised once. With ``clip_grad_norm`` the global
-        gradient norm is clipped before the update. Returns the batch's mean loss, detached
-        and left on the device (reading it, e.g. with ``.item()``, waits for the device;
-        the Engine itself reads it only every ``log_every`` steps).
+        The loss must be the mean over the batch's samples, or a Hugging Face model's own
+        loss, the mean over the labels that are not -100: shares of the batch are then
+        weighted by their labels, as one device weighs them (`dtrain.parallel.label_weights`).
+        With ``grad_accumulation=k`` the batch is cut along its first dimension into k
+        micro-batches whose gradients are accumulated locally and synchronised once. With
+        ``clip_grad_norm`` the global gradient norm is clipped before the update. Returns
+        this process's loss, detached, on the device (``.item()`` waits for it): the mean
+        over the data-parallel processes of what they return is the global batch's mean
+        loss (where labels weigh, each returns its labels' share of that mean).
         """
         self._require_setup("engine.train_step")
         if self.optimizer is None:
@@ -216,15 +218,16 @@ class Engine(JobView, DataSide, CheckpointSide):
             )
         if self.loss_scaling is not None:
             self.loss_scaling.backward()
+        parts = split(batch, k) if k > 1 else [batch]
+        weights = self.strategy.share_weights(parts, loss_fn)
         mean: torch.Tensor | int = 0
-        for i, part in enumerate(split(batch, k) if k > 1 else [batch]):
+        for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
-            weight = batch_size(part) / total if k > 1 else 1.0
             self.observers.on_micro_start(part)
             with sync:
                 loss = self.strategy.forward_backward(part, loss_fn, weight)
             self.observers.on_micro_end()
-            mean = loss if k == 1 else mean + loss * weight
+            mean = loss if k == 1 else mean + loss
         assert isinstance(mean, torch.Tensor)
         self.observers.on_gradients(step, mean)
         if self.config.clip_grad_norm is not None:
@@ -239,7 +242,7 @@ class Engine(JobView, DataSide, CheckpointSide):
 
         The norm is that of the whole model's gradient, as `single` would compute it, under
         every strategy (sharded and tensor-parallel gradients, pipeline stages, towers;
-        under sync ps the servers clip the round's mean and keep its norm: NaN here).
+        NaN under sync ps, where the servers clip the round's mean and keep its norm).
         Call it between backward and ``optimizer.step()`` in a hand-written loop (on every
         rank: it is a collective); `train_step` calls it itself with ``clip_grad_norm``.
         Under fp16-mixed it first divides the gradients by the loss scale
@@ -332,24 +335,10 @@ class Engine(JobView, DataSide, CheckpointSide):
         self._require_setup("engine.evaluate")
         self.strategy.refresh()
         batches = (self.to_device(batch) for batch in loader)
-        totals, classifier, counted_loss = evaluation_sums(
-            self.strategy.eval_module(),
-            batches,
-            loss_fn,
-            self.autocast,
-            self.topology.device,
-            extra_forwards=shortfall(loader, self.strategy, self.topology.device)
-            if self.strategy.placement.collective_forward
-            else 0,
-        )
-        if self.strategy.spec.multiprocess and dist.is_initialized():
-            dist.all_reduce(totals, group=self.strategy.placement.dp_group)
-        loss_sum, correct, count = totals.tolist()
-        result = {"samples": count}
-        if count and counted_loss:
-            result["loss"] = loss_sum / count
-        if count and classifier:
-            result["accuracy"] = correct / count
+        device = self.topology.device
+        collective = self.strategy.placement.collective_forward
+        extra = shortfall(loader, self.strategy, device) if collective else 0
+        result = evaluate(self.strategy, batches, loss_fn, self.autocast, device, extra)
         self.report.log({f"eval/{k}": v for k, v in result.items()}, self.step)
         return result
 
@@ -371,6 +360,9 @@ class Engine(JobView, DataSide, CheckpointSide):
             return
         self._closed = True
         forget(self)
+        if not hasattr(self, "observers"):  # __init__ stopped part way: nothing ran yet
+            release(self.strategy, None)
+            return
         save_error: CheckpointError | None = None
         try:
             self.checkpoints.finish()

@@ -1,4 +1,4 @@
-"""Evaluation sums: loss and, for classifiers, correct predictions over batches."""
+"""Evaluation: the mean loss and, for classifiers, the accuracy over batches and processes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,33 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.batches import LossFn, batch_loss, batch_size, call_model, has_own_loss, is_pair
+from dtrain.parallel.label_weights import LabelCounter, weigh
 from dtrain.strategies.base import Strategy
+
+
+def evaluate(
+    strategy: Strategy,
+    batches: Iterable[Any],
+    loss_fn: LossFn | None,
+    autocast: Callable[[], contextlib.AbstractContextManager[None]],
+    device: torch.device,
+    extra_forwards: int,
+) -> dict[str, float]:
+    """``samples``, and the mean ``loss`` and ``accuracy`` where they count, of `batches`
+    (on the device) over every data-parallel process of `strategy` (a collective)."""
+    totals, classifier, counted_loss = evaluation_sums(
+        strategy.eval_module(), batches, loss_fn, autocast, device, strategy.labels,
+        extra_forwards,
+    )  # fmt: skip
+    if strategy.spec.multiprocess and dist.is_initialized():
+        dist.all_reduce(totals, group=strategy.placement.dp_group)
+    loss_sum, weight, correct, count = totals.tolist()
+    result = {"samples": count}
+    if count and counted_loss:
+        result["loss"] = loss_sum / weight
+    if count and classifier:
+        result["accuracy"] = correct / count
+    return result
 
 
 @torch.no_grad()
@@ -21,21 +47,24 @@ def evaluation_sums(
     loss_fn: LossFn | None,
     autocast: Callable[[], contextlib.AbstractContextManager[None]],
     device: torch.device,
+    labels: LabelCounter | None = None,
     extra_forwards: int = 0,
 ) -> tuple[torch.Tensor, bool, bool]:
-    """([loss sum, correct, samples] as float64 on `device`, whether it is a classifier,
-    whether a loss was counted).
+    """([loss sum, its weight, correct, samples] as float64 on `device`, whether it is a
+    classifier, whether a loss was counted).
 
     Batches take the shapes `dtrain.batches` describes; a batch's loss is counted when
     `loss_fn` is given or the model returns one. `model` is put in eval mode and back.
     Accuracy counts when the outputs (or their ``logits``) are (N, C) and the targets (or
     the batch's ``labels``) (N,) class indices; the loss sum weights each batch's mean
-    loss by its size. `extra_forwards` more forwards of the last batch follow, counted
-    nowhere (so that every rank of a collective forward runs as many).
+    loss by its size, or by its count of labels where `labels` applies (a Hugging Face
+    model's own loss: `dtrain.parallel.label_weights`). `extra_forwards` more forwards of
+    the last batch follow, counted nowhere (so that every rank of a collective forward
+    runs as many).
     """
     was_training = model.training
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
     classifier = True
     counted_loss = False
     batch: Any = None
@@ -45,7 +74,10 @@ def evaluation_sums(
             with autocast():
                 outputs = call_model(model, batch)
                 if loss_fn is not None or has_own_loss(outputs):
-                    totals[0] += batch_loss(outputs, batch, loss_fn).detach().double() * n
+                    loss = batch_loss(outputs, batch, loss_fn).detach().double()
+                    weight = labels.count(batch) if labels and labels.applies(batch, loss_fn) else n
+                    totals[0] += weigh(loss, weight)
+                    totals[1] += weight
                     counted_loss = True
             logits, targets = _logits(outputs), _targets(batch)
             classifier = classifier and (
@@ -56,9 +88,9 @@ def evaluation_sums(
                 and not targets.is_floating_point()
             )
             if classifier:
-                totals[1] += (logits.argmax(dim=1) == targets).sum()  # type: ignore[union-attr]
-            totals[2] += n
-        for _ in range(extra_forwards if totals[2] else 0):
+                totals[2] += (logits.argmax(dim=1) == targets).sum()  # type: ignore[union-attr]
+            totals[3] += n
+        for _ in range(extra_forwards if totals[3] else 0):
             with autocast():
                 call_model(model, batch)
     finally:

@@ -30,6 +30,7 @@ from torch import nn
 
 from dtrain.batches import DictFeed
 from dtrain.errors import ConfigError
+from dtrain.parallel.label_weights import label_counter
 
 VERIFIED = ("llama", "qwen2", "gpt_neox")
 """Model types whose base forward is the plan's modules in order, each decoder layer given
@@ -168,5 +169,6 @@ def hf_feed(model: nn.Module) -> DictFeed:
         targets="labels",
         extras=("attention_mask",),
         loss=own_loss,
+        count=counter.count_labels if (counter := label_counter(model)) else None,
         model=type(model).__name__,
     )

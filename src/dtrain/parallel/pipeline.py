@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dtrain.batches import DictFeed, pipeline_parts
 from dtrain.errors import SetupError
+from dtrain.parallel.label_weights import Weight, weigh
 from dtrain.parallel.relay import relay_forward
 from dtrain.parallel.split import Tie
 from dtrain.precision import LossScaling
@@ -158,6 +159,8 @@ class Pipeline:
         self.feed = feed
         """How a dict batch drives the stages, for a model that computes its own loss."""
         self._loss_fn: LossFn | None = None
+        self._count: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._weight: Weight = 1.0
         self._scaling: LossScaling | None = None
         self._shape: torch.Size | None = None
         # Imported here: torch's pipelining pulls in its compiler (a second or more of
@@ -181,7 +184,11 @@ class Pipeline:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
-        loss = self._loss_fn(output, target) / self.microbatches
+        loss = self._loss_fn(output, target)
+        if self._count is None:
+            loss = weigh(loss, self._weight / self.microbatches)
+        else:  # a mean over the micro-batch's labels weighs as many labels' losses
+            loss = weigh(loss, self._weight * self._count(target))
         # fp16-mixed: the last stage back-propagates the scaled loss, so every stage's
         # gradients carry the scale (each rank unscales its own before the step).
         return loss if self._scaling is None else self._scaling.scale(loss)
@@ -193,11 +200,14 @@ class Pipeline:
         loss_fn: LossFn,
         scaling: LossScaling | None = None,
         extras: dict[str, torch.Tensor] | None = None,
+        weight: Weight = 1.0,
     ) -> torch.Tensor:
-        """Forward and backward of one batch through every stage, the loss times the loss
-        scale of `scaling` (fp16-mixed) if given; the batch's mean loss (a float64 scalar
-        on the device, not read back), on every rank of the pipeline. `extras` (N, ...)
-        tensors are cut into micro-batches like the inputs and given to every stage."""
+        """Forward and backward of one batch through every stage, the loss times `weight`
+        (the batch's in the step) and the loss scale of `scaling` (fp16-mixed) if given;
+        the batch's mean loss times `weight` (a float64 scalar on the device, not read
+        back), on every rank of the pipeline. `extras` (N, ...) tensors are cut into
+        micro-batches like the inputs and given to every stage. The micro-batches weigh
+        alike, or by their labels when the loss is the feed's label mean."""
         if inputs.shape[0] % self.microbatches:
             raise SetupError(
                 f"A batch of {inputs.shape[0]} sample(s) cannot be cut into --microbatches "
@@ -214,6 +224,9 @@ class Pipeline:
                 "default) and pad sequences to one length."
             )
         self._loss_fn, self._scaling = loss_fn, scaling
+        count = self.feed.count if self.feed is not None and loss_fn is self.feed.loss else None
+        self._count = count
+        self._weight = weight if count is None else weight / count(targets)
         # The schedule's own list holds the M micro-batches' losses only: torch also calls
         # the loss function once on uninitialised outputs while it learns the shapes at
         # the first step. return_outputs=False: the last stage frees each micro-batch's

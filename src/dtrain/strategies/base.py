@@ -22,6 +22,7 @@ from dtrain.errors import ConfigError
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.parallel.label_weights import LabelCounter, Weight, label_counter, share_weights, weigh
 from dtrain.parallel.materialize import DeferredInit
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.precision import LossScaling, compute_dtype
@@ -75,6 +76,9 @@ class Strategy(CheckpointState):
         self.placement = replicas(topology, self.spec.multiprocess)
         """Where the work runs (strategies/placement.py); a subclass's `__init__` replaces
         the fields that differ."""
+        self.labels: LabelCounter | None = None
+        """How the model's own loss counts a batch's labels (a Hugging Face model's), so
+        that shares of a batch are weighted by their labels (parallel/label_weights.py)."""
 
     @property
     def name(self) -> str:
@@ -87,6 +91,7 @@ class Strategy(CheckpointState):
         """Keep what the Engine hands over, then `wrap` the model (the Engine calls this
         once; a strategy overrides `wrap`, so that none can lose the handover)."""
         self.handover = handover
+        self.labels = label_counter(model)
         self._note_unsynced_batchnorm(model)
         return self.wrap(model, optimizer)
 
@@ -150,23 +155,32 @@ class Strategy(CheckpointState):
             return contextlib.nullcontext()
         return torch.autocast(self.topology.device.type, dtype=dtype)
 
-    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
+    def share_weights(self, shares: list[Any], loss_fn: LossFn | None) -> list[Weight]:
+        """The weight of each of a step's micro-batches in this process, as
+        `dtrain.parallel.label_weights.share_weights` says: by samples, or by labels for a
+        model whose own loss averages over them, counted over every data-parallel process
+        where the step averages their gradients."""
+        placement = self.placement
+        replicas = placement.dp_size if placement.averages_gradients else 1
+        return share_weights(shares, loss_fn, self.labels, placement.dp_group, replicas)
+
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: Weight) -> torch.Tensor:
         """The step seam: forward and backward of one micro-batch of one process.
 
         `batch` is on `placement.input_device`, in any of the shapes `dtrain.batches`
         describes (an ``(inputs, targets)`` pair, a dict, or a nesting of tensors); its mean
-        loss is back-propagated times `scale` (its share of the step's samples). Returns the
-        unscaled loss, detached, on the device: never read back here, so the step does not
-        wait for the device. Every strategy's work for a step happens here or in the
-        optimizer's step.
+        loss is back-propagated times `scale` (its weight in the step, `share_weights`).
+        Returns that weighted loss, detached, on the device: never read back here, so the
+        step does not wait for the device. Every strategy's work for a step happens here or
+        in the optimizer's step.
         """
         with self.autocast():
             _, loss = forward_loss(self.model, batch, loss_fn)  # type: ignore[arg-type]
         self.handover.forward_done()
         scaling = self.handover.loss_scaling
-        weighted = loss if scale == 1 else loss * scale
+        weighted = weigh(loss, scale)
         self.backward(weighted if scaling is None else scaling.scale(weighted))
-        return loss.detach()
+        return weighted.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and make the gradients ready for the optimizer."""

@@ -55,6 +55,7 @@ from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.broadcast import broadcast_model, broadcast_tensors
+from dtrain.parallel.label_weights import Weight
 from dtrain.strategies.base import Strategy
 from dtrain.topology import Topology
 
@@ -75,7 +76,9 @@ class LocalSGD(Strategy):
         lr, momentum = OUTER_DEFAULTS.get(config.outer_optimizer, (0.0, 0.0))
         self.outer_lr = lr if config.outer_lr is None else config.outer_lr
         self.outer_momentum = momentum if config.outer_momentum is None else config.outer_momentum
-        self.placement = replace(self.placement, layout_text=self._layout_text())
+        self.placement = replace(
+            self.placement, layout_text=self._layout_text(), averages_gradients=False
+        )
         self.since_sync = 0
         """Optimizer steps taken since the last sync (the same on every replica)."""
         self.syncs = 0
@@ -126,7 +129,7 @@ class LocalSGD(Strategy):
         self._counts_steps = optimizer is not None
         return wrapped, optimizer
 
-    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: Weight) -> torch.Tensor:
         self._require_optimizer()
         return super().forward_backward(batch, loss_fn, scale)
 

@@ -35,6 +35,7 @@ from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.device_mesh import parallel_mesh
 from dtrain.parallel.hooks import gradient_hooks
+from dtrain.parallel.label_weights import Weight
 from dtrain.parallel.parallelize import Parallelized, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, layout_of, rename_state
@@ -200,7 +201,7 @@ class MeshStrategy(Strategy):
         return self._model_class
 
     # -- the step -------------------------------------------------------------------------
-    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: Weight) -> torch.Tensor:
         """Under a pipeline, the schedule runs every stage's forward and backward over
         the micro-batches (an (inputs, targets) pair with `loss_fn`, or a dict batch of a
         model that computes its own loss: `dtrain.batches.pipeline_parts`); the batch's
@@ -212,7 +213,9 @@ class MeshStrategy(Strategy):
         inputs, targets, extras, loss_fn = pipeline_parts(batch, loss_fn, pipeline.feed)
         assert targets is not None and loss_fn is not None  # what training parts hold
         with self.autocast():
-            loss = pipeline.step(inputs, targets, loss_fn, self.handover.loss_scaling, extras)
+            loss = pipeline.step(
+                inputs, targets, loss_fn, self.handover.loss_scaling, extras, weight=scale
+            )
         if (replicas := self.placement.dp_size) > 1:
             dist.all_reduce(loss, group=self.placement.dp_group)
             loss = loss / replicas

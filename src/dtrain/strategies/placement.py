@@ -40,6 +40,9 @@ class Placement:
     lockstep: bool = False
     """True if every training process takes each step together (synchronous training), so
     reads of per-step values can be collective over `train_group`."""
+    averages_gradients: bool = True
+    """True if a step applies the mean of the data-parallel processes' gradients; False
+    where each process steps on its own (local-sgd, asynchronous ps, backup workers)."""
     micro_splits: int = 1
     """How many equal parts one process's batch is further split into (towers, pipeline
     micro-batches)."""

@@ -26,6 +26,7 @@ from dtrain.errors import ConfigError
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
+from dtrain.parallel.label_weights import LabelCounter, Weight, share_weights, weigh
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import tower_count
@@ -47,15 +48,15 @@ def tower_devices(config: Config) -> tuple[list[torch.device], torch.device]:
     return [torch.device("cpu")] * count, torch.device("cpu")
 
 
-def _gather(outputs: Sequence[Any], device: torch.device, weights: Sequence[float]) -> Any:
+def _gather(outputs: Sequence[Any], device: torch.device, weights: Sequence[Weight]) -> Any:
     """Merge the towers' outputs on `device`: tensors concatenated along dim 0, 0-d tensors
-    (a loss the model computed) averaged with the towers' shares of the batch as
-    `weights`, tuples, lists and dicts (Hugging Face outputs) merged key by key; other
-    values (key-value caches) cannot be merged and become None."""
+    (a loss the model computed) summed times the towers' `weights` (`share_weights`),
+    tuples, lists and dicts (Hugging Face outputs) merged key by key; other values
+    (key-value caches) cannot be merged and become None."""
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
-            return sum(o.to(device) * w for o, w in zip(outputs, weights, strict=True))
+            return sum(weigh(o.to(device), w) for o, w in zip(outputs, weights, strict=True))
         return torch.cat([o.to(device) for o in outputs], dim=0)
     if isinstance(first, (tuple, list)):
         return type(first)(_gather(parts, device, weights) for parts in zip(*outputs, strict=True))
@@ -76,9 +77,15 @@ class TowerReplicas(nn.Module):
     """
 
     def __init__(
-        self, module: nn.Module, devices: list[torch.device], param_device: torch.device
+        self,
+        module: nn.Module,
+        devices: list[torch.device],
+        param_device: torch.device,
+        labels: LabelCounter | None = None,
     ) -> None:
         super().__init__()
+        self.labels = labels
+        """How the model's own loss counts labels (towers' losses then weigh by them)."""
         self.module = module.to(param_device)
         self.devices = devices
         self.param_device = param_device
@@ -129,11 +136,12 @@ class TowerReplicas(nn.Module):
                 "or fewer --towers."
             )
         self._refresh()
-        parts = [
-            to_device(part, device)
-            for part, device in zip(split((args, kwargs), towers), self.devices, strict=True)
-        ]
-        weights = [batch_size(part) / samples for part in parts]
+        pieces = split((args, kwargs), towers)
+        # The towers' losses weigh as their shares of the samples, or of the labels that
+        # the model's own loss averages over.
+        counted = self.labels is not None and self.labels.applies(kwargs, None)
+        weights = share_weights([p[1] for p in pieces] if counted else pieces, None, self.labels)
+        parts = [to_device(part, device) for part, device in zip(pieces, self.devices, strict=True)]
         tower_args = [part[0] for part in parts]
         tower_kwargs = [part[1] for part in parts]
         if all(d.type == "cuda" for d in self.devices) and len(set(self.devices)) == towers:
@@ -200,7 +208,7 @@ class Towers(Strategy):
             "nn.DataParallel does the same. To normalise over the whole batch, use "
             "--strategy ddp --sync-batchnorm.",
         )
-        self.model = TowerReplicas(model, devices, self.param_device)
+        self.model = TowerReplicas(model, devices, self.param_device, self.labels)
         c = self.config
         for replica in self.model.replicas:
             apply_activation_checkpointing(replica, c.activation_checkpointing, c.blocks)

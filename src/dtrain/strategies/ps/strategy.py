@@ -31,6 +31,7 @@ from dtrain.parallel.activation_checkpointing import apply_activation_checkpoint
 from dtrain.parallel.broadcast import broadcast_tensors
 from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.parallel.label_weights import Weight
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.ps import sharding, state_shards
@@ -53,16 +54,19 @@ class ParameterServer(Strategy):
         self.client: Client | None = None
         self.optimizer: WorkerOptimizer | None = None
         self.plan: sharding.Plan | None = None
+        # Only sync rounds without backup workers hold every worker to the same step, and
+        # apply the mean of every worker's gradient. In async and ssp, and with backup
+        # workers, a worker may run ahead of a slower one: a collective read of a per-step
+        # value (the Engine's loss) would make it wait for the slowest, undoing what those
+        # modes are for.
+        whole_rounds = config.ps_mode == "sync" and config.backup_workers == 0
         self.placement = replace(
             self.placement,
             dp_size=self.workers,
             dp_rank=self.roles.index(topology.rank),
             splits_model=True,
-            # Only sync rounds without backup workers hold every worker to the same step.
-            # In async and ssp, and with backup workers, a worker may run ahead of a slower
-            # one: a collective read of a per-step value (the Engine's loss) would make it
-            # wait for the slowest, undoing what those modes are for.
-            lockstep=config.ps_mode == "sync" and config.backup_workers == 0,
+            lockstep=whole_rounds,
+            averages_gradients=whole_rounds,
         )
         """The workers' group (`dp_group`, `train_group`) exists once `setup`'s handshake
         made it; until then they are None."""
@@ -166,7 +170,7 @@ class ParameterServer(Strategy):
         clip, self._clip = self._clip, 0.0
         self._client.commit(settings, clip)
 
-    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: float) -> torch.Tensor:
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: Weight) -> torch.Tensor:
         """`engine.train_step`'s forward and backward: between its last backward of a step
         and its optimizer step nothing changes a gradient (under ps `clip_grad_norm_` only
         measures), so that backward pushes each bucket as it completes it. Everywhere else
