@@ -81,7 +81,9 @@ def test_a_hung_rank_is_named_with_its_line(tmp_path: Path) -> None:
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
     assert "Rank 0" in out and "waited longer than --timeout" in out, out
-    assert "Rank 1 was still running when the launcher stopped it" in out, out
+    # The cause leads: the rank that hung, then the rank that timed out waiting for it.
+    hung = out.index("Rank 1 hung: rank 0 waited longer than --timeout for it, and it was still")
+    assert hung < out.index("Rank 0 ("), out
     # Line 10, where it stopped; or 11: SIGTERM may land on another of its threads, and
     # the main thread, continued, runs on to the next line before the dump.
     assert re.search(r'train\.py", line 1[01] in <module>', out), out
@@ -112,6 +114,10 @@ def test_ranks_stopped_without_a_stack_are_listed_in_one_line() -> None:
         r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=code, error_file="")
         for r, code in ((0, 1), (1, -signal.SIGTERM), (2, -signal.SIGTERM))
     }
+    timed_out = "RuntimeError: [unbound_buffer.cc:81] Timed out waiting 10000ms for recv"
+    failures[0].error_file_data = {
+        "dtrain": {"message": timed_out, "traceback": timed_out, "user_error": False}
+    }
     text = format_failures(failures, stacks={1: DUMP})
-    assert "Rank 1 was still running" in text and "train.py" in text
+    assert "Rank 1 hung: rank 0 waited" in text and "train.py" in text
     assert "Rank(s) 2 were stopped by the launcher after that." in text

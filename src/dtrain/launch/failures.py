@@ -1,13 +1,14 @@
 """What a failed job tells the user: the rendezvous that did not come together, the host
 that holds it lost, and every failed rank with its exit code or signal and its own
 traceback (torch's elastic agent reports the failures; these turn them into sentences),
-with the machine it lost its connection to, by name, address and ranks, where one was
-lost."""
+the cause first (a rank killed, a rank that hung), with the machine it lost its
+connection to, by name, address and ranks, where one was lost."""
 
 from __future__ import annotations
 
 import re
 import signal
+import socket
 from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -77,9 +78,9 @@ def exit_code_of(failures: dict[int, ProcessFailure]) -> int:
 
 TIMED_OUT = (
     "It waited longer than --timeout in a collective operation for a rank that never took "
-    "part: that rank hung or died. The ranks below that were still running show where "
-    "they were; raise --timeout only if a rank is just slow (a long first step, a big "
-    "checkpoint)."
+    "part: that rank hung or died, and a rank still running when the launcher stopped it "
+    "is named first, with where it stood; raise --timeout only if a rank is just slow (a "
+    "long first step, a big checkpoint)."
 )
 
 
@@ -175,6 +176,61 @@ def _lost_connection(survey: Survey, detail: str) -> str | None:
     )
 
 
+def _killed() -> str:
+    """What a rank killed by a signal (no Python exception of its own) is told."""
+    return (
+        "It raised no Python exception: it was killed from outside or ran out of memory; "
+        "check the machine's logs (dmesg) and its memory use, then start the job again: the "
+        f"checkpoints already written are intact ({advice.how_to_resume()})."
+    )
+
+
+def _how(failure: ProcessFailure) -> tuple[str, str]:
+    """(how a failed rank ended, its own traceback or message, or what to check)."""
+    if failure.exitcode < 0:
+        return f"was killed by signal {failure.signal_name()}", _killed()
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    ours = data.get("dtrain")
+    if ours:
+        detail = ours["message"] if ours["user_error"] else ours["traceback"].rstrip()
+    else:
+        detail = "It left no traceback; its own output above shows why it stopped."
+    return f"exited with code {failure.exitcode}", detail
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _role(role: Callable[[int], str] | None, rank: int) -> str | None:
+    """What `rank` does, where its strategy gives it a role of its own ("server 0")."""
+    return role(rank) if role is not None and role(rank) != f"rank {rank}" else None
+
+
+def _stood(
+    located: dict[int, str], waited: list[int], role: Callable[[int], str] | None
+) -> list[str]:
+    """One paragraph per rank still running when the ranks `waited` timed out waiting for
+    another: where it stood (`located`: its frames), the one that hung when it is alone."""
+    parts = []
+    for rank, frames in located.items():
+        does = _role(role, rank)
+        named = f"Rank {rank} ({does})" if does else f"Rank {rank}"
+        if len(located) == 1:
+            lead = (
+                f"{named} hung: {_ranks(waited)} waited longer than --timeout for it, and it "
+                "was still running when the launcher stopped it"
+            )
+        else:
+            lead = (
+                f"{named} was still running when the launcher stopped it, after "
+                f"{_ranks(waited)} waited longer than --timeout for one of the ranks still "
+                "running"
+            )
+        parts.append(f"{lead}, here (most recent call first):\n{frames}")
+    return parts
+
+
 def format_failures(
     failures: dict[int, ProcessFailure],
     role: Callable[[int], str] | None = None,
@@ -182,65 +238,65 @@ def format_failures(
     survey: Survey | None = None,
     finished: dict[int, float] | None = None,
 ) -> str:
-    """One paragraph per failed rank: how it ended and its own traceback or message.
+    """One paragraph per failed rank: how it ended and its own traceback or message, the
+    cause first.
 
     `role` names what a rank does where the strategy gives ranks roles ("server 0").
 
-    When one rank fails the agent stops the others with SIGTERM; those are listed last,
-    so the rank that caused the failure stands first, each with where it was (`stacks`:
-    the Python stacks they wrote when stopped), which names a rank that hung; ranks that
-    had already finished their script (`finished`: when) are named too, since the others
-    may have waited for them.
+    When one rank fails the agent stops the others with SIGTERM; those are no cause. Of
+    the ranks that failed on their own, one killed by a signal (SIGKILL, the kernel's
+    out-of-memory killer) comes first, then those with an error of their own, then
+    those whose error only says that they lost a peer, which follows from the others.
+    When a rank timed out waiting for another, the stopped ranks lead, each with where it
+    was (`stacks`: the Python stacks they wrote when stopped), which names the rank that
+    hung; otherwise a stopped rank was only stopped after the failure (every rank raising
+    the same refusal, say) and its stack would read as a hang, so it is listed in one
+    line. Ranks that had already finished their script (`finished`: when) are named too,
+    since the others may have waited for them.
 
     A job of several machines passes what this machine found out about the others
     (`survey`): a rank that lost a peer is told which machine that was, and a machine
     that does not answer any more is named even when no rank's error points to it.
     """
     causes = _causes(failures)
+    host = socket.gethostname()
     lost_told = False
-    reports: dict[tuple[str, str], list[int]] = {}
-    for rank, failure in sorted(causes.items()):
-        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-        ours = data.get("dtrain")
-        if failure.exitcode < 0:
-            how = f"was killed by signal {failure.signal_name()}"
-            detail = (
-                "It raised no Python exception: it was killed from outside or ran out of "
-                "memory; check the machine's logs (dmesg) and its memory use."
-            )
-        else:
-            how = f"exited with code {failure.exitcode}"
-            if ours:
-                detail = ours["message"] if ours["user_error"] else ours["traceback"].rstrip()
-            else:
-                detail = "It left no traceback; its own output above shows why it stopped."
-            lost = _lost_connection(survey, detail) if survey and _peer_lost(detail) else None
+    ordered: list[tuple[int, int, str, str]] = []
+    waited: list[int] = []
+    for rank, failure in causes.items():
+        how, detail = _how(failure)
+        order = 0 if failure.exitcode < 0 else 1
+        if failure.exitcode >= 0 and _peer_lost(detail):
+            order, timed_out = 2, _timed_out(detail)
+            waited += [rank] if timed_out else []
+            lost = _lost_connection(survey, detail) if survey else None
             if lost:
                 detail = f"{detail}\n{lost}"
                 lost_told = lost_told or bool(survey and survey.silent)
-            elif _timed_out(detail):
+            elif timed_out:
                 detail = f"{detail}\n{TIMED_OUT}"
+        ordered.append((order, rank, how, detail))
+    reports: dict[tuple[str, str], list[int]] = {}
+    for _, rank, how, detail in sorted(ordered):
         reports.setdefault((how, detail), []).append(rank)
     parts = []
     for (how, detail), ranks in reports.items():
         if len(ranks) == 1:
             rank, failure = ranks[0], causes[ranks[0]]
-            what = f"{role(rank)}, " if role is not None and role(rank) != f"rank {rank}" else ""
-            who = f"Rank {rank} ({what}local rank {failure.local_rank}, pid {failure.pid})"
+            does = _role(role, rank)
+            what = f"{does}, " if does else ""
+            who = f"Rank {rank} ({what}local rank {failure.local_rank}, pid {failure.pid}, "
+            who += f"host {host})"
         else:
             who = f"Ranks {', '.join(map(str, ranks))}"
         parts.append(f"{who} {how}:\n{detail}")
     if survey is not None and survey.silent and not lost_told:
         parts.append(_machines_silent(survey, lost_by_rank=False))
     others = sorted(set(failures) - set(causes))
-    stacks = stacks or {}
-    located = {r: where(stacks[r]) for r in others if r in stacks}
+    # Only a rank that timed out waiting makes the stopped ranks' stacks a hang's.
+    located = {r: where(stacks[r]) for r in others if waited and stacks and r in stacks}
     located = {r: frames for r, frames in located.items() if frames}
-    for rank, frames in located.items():
-        parts.append(
-            f"Rank {rank} was still running when the launcher stopped it, here (most recent "
-            f"call first):\n{frames}"
-        )
+    parts = _stood(located, sorted(waited), role) + parts
     quiet = [r for r in others if r not in located]
     if quiet:
         parts.append(

@@ -284,8 +284,7 @@ class ParameterServerSpec(StrategySpec):
         return Roles.of(config).per_node
 
     def role_of(self, config: Config, rank: int) -> str:
-        roles = Roles.of(config)
-        return f"{'server' if roles.is_server(rank) else 'worker'} {roles.index(rank)}"
+        return Roles.of(config).name(rank)
 
     def check_launch(self, config: Config) -> None:
         if config.min_nnodes is not None:

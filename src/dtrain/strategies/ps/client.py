@@ -105,7 +105,8 @@ class Client:
         self.seen: dict[int, tuple[int, int]] = {}
         """The parameters backward gave a gradient since the last commit: the gradient's
         (storage address, version counter) when backward left it."""
-        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.sends: list[tuple[Any, torch.Tensor, int]] = []
+        """Sends not waited for yet: (work, the tensor it reads, the server's index)."""
         self.pulls: list[tuple[int, list[Any]]] = []
         self.finished = False
         # Frozen parameters get no hook (torch refuses one); they have no gradient to hand over.
@@ -145,7 +146,7 @@ class Client:
             self.missing[server][b] -= 1
             if self.missing[server][b] == 0:
                 work = self.channel.send(payload, self.servers[server], PUSH_TAGS + b)
-                self.sends.append((work, payload))
+                self.sends.append((work, payload, server))
         self.pushed.add(index)
 
     def commit(self, settings: list[float], clip: float = 0.0) -> None:
@@ -171,7 +172,7 @@ class Client:
             masked = float(mask is not None)
             self._request(s, Op.COMMIT, self.versions[s], clip, masked, settings=settings)
             if mask is not None:
-                self.sends.append((self.channel.send(mask, server, PAYLOAD), mask))
+                self.sends.append((self.channel.send(mask, server, PAYLOAD), mask, s))
             self._post_pull(s)
         self._drain_sends()
 
@@ -202,7 +203,7 @@ class Client:
         for s, works in pulls:
             what = f"Worker {self.rank} pulling parameters from server {s}"
             for work in works:
-                protocol.wait(work, self.timeout_s, what)
+                self.channel.wait(work, self.timeout_s, what, self.servers[s])
             self.versions[s] = int(self.versions_in[s].item())
         self.store.publish()
 
@@ -236,7 +237,7 @@ class Client:
         self.wait_pulls()
         data = protocol.to_bytes(payload)
         self._request(s, Op.SET_STATE, data.numel())
-        self.sends.append((self.channel.send(data, self.servers[s], PAYLOAD), data))
+        self.sends.append((self.channel.send(data, self.servers[s], PAYLOAD), data, s))
         self._drain_sends()
         self._wait_reply(torch.empty(1), s)
 
@@ -277,13 +278,15 @@ class Client:
     def _request(self, s: int, op: Op, *fields: float, settings: list[float] | None = None) -> None:
         """Send server `s` a header: `fields` are its a, b, c (see protocol.py)."""
         head = protocol.header(op, self.rank, *fields, settings=settings, width=self.width)
-        self.sends.append((self.channel.send(head, self.servers[s], HEADER), head))
+        self.sends.append((self.channel.send(head, self.servers[s], HEADER), head, s))
 
     def _drain_sends(self) -> None:
         sends, self.sends = self.sends, []
-        for work, _ in sends:
-            protocol.wait(work, self.timeout_s, f"Worker {self.rank} sending to a server")
+        for work, _, s in sends:
+            what = f"Worker {self.rank} sending to server {s}"
+            self.channel.wait(work, self.timeout_s, what, self.servers[s])
 
     def _wait_reply(self, tensor: torch.Tensor, s: int) -> None:
         work = self.channel.recv(tensor, self.servers[s], REPLY)
-        protocol.wait(work, self.timeout_s, f"Worker {self.rank} waiting for server {s}")
+        what = f"Worker {self.rank} waiting for server {s}"
+        self.channel.wait(work, self.timeout_s, what, self.servers[s])

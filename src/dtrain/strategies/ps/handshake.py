@@ -116,4 +116,4 @@ def handshake(mine: Description | None, values: torch.Tensor | None, roles: Role
     broadcast_bytes(values, 0, None)
     workers_group = dist.new_group(roles.worker_ranks)
     everyone = dist.new_group(list(range(dist.get_world_size())))
-    return Start(description, values, workers_group, Channel(everyone))
+    return Start(description, values, workers_group, Channel(everyone, roles, dist.get_rank()))

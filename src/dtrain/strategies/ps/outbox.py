@@ -88,12 +88,14 @@ class Outbox:
         # Sends are started as soon as they are queued (gloo sends one peer's messages in
         # the order they were started) and waited for, oldest first, while nothing new is
         # queued.
-        inflight: collections.deque[tuple[int, dist.Work, torch.Tensor]] = collections.deque()
+        inflight: collections.deque[tuple[int, dist.Work, torch.Tensor, int]]
+        inflight = collections.deque()
         try:
             while True:
                 if inflight and self._queue.empty():
-                    ticket, work, _ = inflight.popleft()
-                    protocol.wait(work, self.timeout_s, f"Server {self.index} sending a reply")
+                    ticket, work, _, rank = inflight.popleft()
+                    what = f"Server {self.index} sending a reply to {self.channel.roles.name(rank)}"
+                    self.channel.wait(work, self.timeout_s, what, rank)
                     with self._done:
                         self._sent = ticket
                         self._done.notify_all()
@@ -104,8 +106,8 @@ class Outbox:
                         return
                     self._queue.put(None)  # stop once the sends in flight are done
                     continue
-                ticket, tensor, worker = item
-                inflight.append((ticket, self.channel.send(tensor, worker, REPLY), tensor))
+                ticket, tensor, rank = item
+                inflight.append((ticket, self.channel.send(tensor, rank, REPLY), tensor, rank))
         except BaseException as e:  # noqa: BLE001 - handed to the serving loop
             with self._done:
                 self._error = e

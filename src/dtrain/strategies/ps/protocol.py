@@ -39,6 +39,7 @@ receives it straight into its parameter buffer.
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
@@ -47,7 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import advice
 from dtrain.errors import DtrainError
+from dtrain.strategies.ps.roles import Roles
 
 HEADER, PAYLOAD, REPLY, NORM, PUSH_TAGS = 0, 1, 2, 3, 16
 """Message tags; NORM carries a server's share of a sync round's squared gradient norm
@@ -99,37 +102,88 @@ def header(
     return torch.tensor(values, dtype=torch.float64)
 
 
-def wait(work: dist.Work, timeout_s: float, what: str) -> None:
-    """Wait for a send/recv, turning a timeout or a dead peer into a named error."""
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise ParameterServerError(
-            f"{what} did not complete within {timeout_s:g}s ({str(e).splitlines()[0]}). The "
-            "peer has probably died; its own error, reported by the launcher, says why. Raise "
-            "--timeout if the job is only slow."
-        ) from None
-
-
 @dataclass(frozen=True)
 class Channel:
     """The messages of one training run, over a process group of every rank of the job
     made for that run: receives a run leaves posted when it ends (a server always has the
-    next pushes' posted) can never take a later run's messages."""
+    next pushes' posted) can never take a later run's messages.
+
+    A message that cannot go through raises :class:`ParameterServerError` naming the
+    peer: gloo fails a send or receive at once when the peer's connection closed (it
+    died), and a wait once the timeout passed (it hangs, or is only slow).
+    """
 
     group: dist.ProcessGroup
+    roles: Roles
+    rank: int
+    """This process's global rank."""
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         """Start sending `tensor` (CPU, contiguous) to global rank `dst`."""
-        work = dist.isend(tensor, dst, group=self.group, tag=tag)
+        try:
+            work = dist.isend(tensor, dst, group=self.group, tag=tag)
+        except RuntimeError as e:  # gloo refuses a send over a connection that has ended
+            what = f"{self._me()} sending to {self.roles.name(dst)}"
+            raise self._failed(e, what, dst, None) from None
         assert work is not None
         return work
 
     def recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> dist.Work:
         """Start receiving into `tensor` from global rank `src` (None: any rank)."""
-        work = dist.irecv(tensor, src, group=self.group, tag=tag)
+        try:
+            work = dist.irecv(tensor, src, group=self.group, tag=tag)
+        except RuntimeError as e:
+            source = "any worker" if src is None else self.roles.name(src)
+            raise self._failed(e, f"{self._me()} receiving from {source}", src, None) from None
         assert work is not None
         return work
+
+    def wait(self, work: dist.Work, timeout_s: float, what: str, peer: int | None) -> None:
+        """Wait for a send or receive (`what`, with global rank `peer`; None: any worker),
+        turning a timeout or an ended connection into a ParameterServerError naming
+        `peer`."""
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise self._failed(e, what, peer, timeout_s) from None
+
+    def _me(self) -> str:
+        name = self.roles.name(self.rank)
+        return name[0].upper() + name[1:]
+
+    def _failed(
+        self, error: RuntimeError, what: str, peer: int | None, timeout_s: float | None
+    ) -> ParameterServerError:
+        """The error for `what`, which gloo ended with `error`: a wait past `timeout_s`
+        (None: no wait of this call timed out), or a connection to `peer` that ended."""
+        text = str(error).strip()
+        first = text.splitlines()[0] if text else type(error).__name__
+        # gloo's "[.../pair.cc:537] Read error [ADDRESS]:PORT: Connection reset by peer. This
+        # is typically caused by ...": its reason, without the source line and the advice.
+        reason = _GLOO_SOURCE.sub("", first).split(". ")[0].rstrip(".")
+        who = "a worker"
+        if peer is not None:
+            found = _PEER_ADDRESS.search(reason)
+            at = f", at {found.group(1)}" if found else ""
+            who = f"{self.roles.name(peer)} (rank {peer}{at})"
+        if "timed out" in reason.lower() or "timeout" in reason.lower():
+            within = f" within {timeout_s:g}s" if timeout_s is not None else ""
+            return ParameterServerError(
+                f"{what} did not complete{within} ({reason}): {who} hung or stopped. The "
+                "launcher's report says where it stood; raise --timeout if the job is only "
+                "slow."
+            )
+        return ParameterServerError(
+            f"{what} failed: the connection ended ({reason}) because {who} stopped: it was "
+            "killed, ran out of memory or failed, as the launcher's report says. The job "
+            f"cannot go on without it; start it again ({advice.how_to_resume()})."
+        )
+
+
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*\.\w+:\d+\]\s*")
+"""gloo's "[path/to/file.cc:LINE] " before its message."""
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
+"""gloo's "[10.0.0.2]:41234": the peer's address and port."""
 
 
 def to_bytes(obj: Any) -> torch.Tensor:

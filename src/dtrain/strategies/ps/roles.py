@@ -79,6 +79,10 @@ class Roles:
         """Whether global `rank` is a server."""
         return rank % self.per_node >= self.workers_per_node
 
+    def name(self, rank: int) -> str:
+        """What global `rank` is, by index: "worker 1", "server 0"."""
+        return f"{'server' if self.is_server(rank) else 'worker'} {self.index(rank)}"
+
     def index(self, rank: int) -> int:
         """Global `rank`'s index among the workers, or among the servers if it is one."""
         node, local = divmod(rank, self.per_node)

@@ -123,12 +123,13 @@ class Server:
             self._post_pushes(worker)
         while len(self.finished) < self.workers:
             work = self.channel.recv(head, None, HEADER)
-            protocol.wait(work, self.config.timeout_s, f"Server {self.index} waiting for workers")
+            what = f"Server {self.index} waiting for workers"
+            self.channel.wait(work, self.config.timeout_s, what, None)
             op, sender, a = Op(int(head[0])), int(head[1]), head[2].item()
             if op is Op.COMMIT:
                 what = f"Server {self.index} receiving gradients from worker {sender}"
                 for work in self.pushes.pop(sender):
-                    protocol.wait(work, self.config.timeout_s, what)
+                    self.channel.wait(work, self.config.timeout_s, what, self.worker_ranks[sender])
                 masked = head[4].item()  # a mask of the parameters with a gradient follows
                 self.present[sender] = self._recv_present(sender) if masked else None
                 self.waiting[sender] = int(a) + 1
@@ -233,14 +234,15 @@ class Server:
         ranks = self.roles.server_ranks
         others = [j for j in range(len(ranks)) if j != self.index]
         sends = [self.channel.send(share, ranks[j], NORM) for j in others]
-        total = share.item()
+        total, timeout_s = share.item(), self.config.timeout_s
         for j in others:
             got = torch.empty(1, dtype=torch.float64)
             what = f"Server {self.index} waiting for server {j}'s gradient norm"
-            protocol.wait(self.channel.recv(got, ranks[j], NORM), self.config.timeout_s, what)
+            self.channel.wait(self.channel.recv(got, ranks[j], NORM), timeout_s, what, ranks[j])
             total += got.item()
-        for work in sends:
-            protocol.wait(work, self.config.timeout_s, f"Server {self.index} sending its norm")
+        for j, work in zip(others, sends, strict=True):
+            what = f"Server {self.index} sending its gradient norm to server {j}"
+            self.channel.wait(work, timeout_s, what, ranks[j])
         return min(1.0, bound / (math.sqrt(total) + 1e-6))
 
     def _fold(self, start: int, end: int) -> torch.Tensor:
@@ -360,8 +362,9 @@ class Server:
 
     def _recv(self, tensor: torch.Tensor, worker: int) -> None:
         what = f"Server {self.index} receiving from worker {worker}"
-        work = self.channel.recv(tensor, self.worker_ranks[worker], PAYLOAD)
-        protocol.wait(work, self.config.timeout_s, what)
+        rank = self.worker_ranks[worker]
+        work = self.channel.recv(tensor, rank, PAYLOAD)
+        self.channel.wait(work, self.config.timeout_s, what, rank)
 
     def _send_version(self, worker: int) -> None:
         # One version tensor per worker, reused: its previous reply has gone by now (the
