@@ -95,6 +95,22 @@ def test_a_small_run_writes_the_table_plots_and_logs(
     assert (bare / "bench.csv").is_file() and not list(bare.glob("*.png"))
 
 
+def test_the_header_counts_the_configurations_the_table_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failed(
+        workload: Workload, strategy: str, nproc: int, repeat: int, **_: object
+    ) -> TrialResult:
+        return TrialResult(strategy, nproc, repeat, "failed", 1.0, note="planted")
+
+    monkeypatch.setattr(strategies, "run_trial", failed)
+    out = tmp_path / "bench"
+    assert cli.main(["bench", *GRID, "--repeats", "2", "--out", str(out)]) == 1
+    header = capsys.readouterr().out.splitlines()[1]
+    assert len(read_rows(out / "bench.json")) == 4  # single x2 skipped, a row all the same
+    assert header == "4 configuration(s), 1 skipped: 3 x 2 repeat(s) = 6 trials, taken in turn"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

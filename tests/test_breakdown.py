@@ -144,6 +144,38 @@ def test_trace_events_are_chrome_complete_events() -> None:
     }
 
 
+def traced_run(path: Path, window: str, by_hand: bool) -> set[int]:
+    """Train 5 steps of `single` with `--trace path --trace-steps window`, with
+    `train_step` or a hand-written loop; return the steps the trace's events carry."""
+    engine = dtrain.init(strategy="single", seed=0, trace=str(path), trace_steps=window)
+    model = nn.Linear(64, 10)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    assert optimizer is not None
+    for batch in engine.dataloader(Samples(), batch_size=8):
+        if by_hand:
+            inputs, labels = batch
+            engine.backward(F.cross_entropy(model(inputs), labels))
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            engine.train_step(batch, F.cross_entropy)
+        if engine.step == 5:
+            break
+    engine.close()
+    events = json.loads(path.read_text())["traceEvents"]
+    return {e["args"]["step"] for e in events if e["ph"] == "X"}
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["train_step", "by-hand"])
+def test_the_trace_line_names_the_steps_its_events_carry_as_the_progress_bar_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], by_hand: bool
+) -> None:
+    assert traced_run(tmp_path / "trace.json", "2:4", by_hand) == {3, 4}
+    assert "dtrain: trace of steps 3 to 4 in " in capsys.readouterr().out
+    assert traced_run(tmp_path / "late.json", "8:9", by_hand) == set()
+    assert "holds no step: the run ended before step 9" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("window", ["5", "8:3", "a:b", "-1:4"])
 def test_a_malformed_trace_window_is_refused(window: str) -> None:
     with pytest.raises(ConfigError, match="--trace-steps must be A:B"):

@@ -5,6 +5,8 @@ equal a plain loop with torch's own ``clip_grad_norm_``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from distributed import run_ranks
@@ -12,7 +14,11 @@ from torch.testing import assert_close
 from training import train, train_variants
 
 import dtrain
+from dtrain.config import Config
+from dtrain.engine import Engine
 from dtrain.errors import ConfigError
+from dtrain.strategies.specs import lookup
+from dtrain.topology import Topology
 
 BOUND = 0.05  # the tiny GPT's gradient norm is well above this at every step
 RUN = {"model_name": "gpt", "steps": 3, "optimizer_name": "sgd"}
@@ -101,3 +107,20 @@ def test_hsdp_shard_groups_must_divide_the_processes() -> None:
         dtrain.Config(strategy="zero3", shard_size=2)
     with pytest.raises(ConfigError, match="--hierarchical arranges ddp's gradient all-reduce"):
         dtrain.Config(strategy="zero3", hierarchical=True)
+
+
+def test_what_clip_grad_norm_returns_under_sync_ps_is_what_the_docs_say() -> None:
+    """Under sync ps the servers clip the round's mean gradient, which no worker holds, so
+    a worker's `clip_grad_norm_` returns NaN, not a norm that differs from single's; every
+    text that states what it returns says so."""
+    worker = Topology(0, 2, 0, 2, torch.device("cpu"), "gloo")  # worker 0, then one server
+    ps = lookup("ps").runtime()(Config(strategy="ps", servers=1), worker)
+    assert torch.isnan(ps.clip_grad_norm_(BOUND))
+    root = Path(__file__).resolve().parent.parent
+    texts = {
+        "README.md": (root / "README.md").read_text(),
+        "docs/strategies.md": (root / "docs" / "strategies.md").read_text(),
+        "Engine.clip_grad_norm_": Engine.clip_grad_norm_.__doc__ or "",
+    }
+    for name, text in texts.items():
+        assert "NaN under sync ps, where the servers clip" in " ".join(text.split()), name

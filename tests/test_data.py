@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
+import logging.handlers
+import queue
 from typing import Any
 
 import pytest
@@ -13,6 +16,9 @@ from distributed import run_ranks
 import dtrain
 from dtrain.data import ShardedBatchSampler
 from dtrain.errors import ConfigError, SetupError
+from dtrain.feeding import Feeder
+from dtrain.observe.progress import Throughput
+from dtrain.position import Position
 
 
 def shares(world: int, global_batch: int = 12, size: int = 100, epoch: int = 0) -> list[list[int]]:
@@ -122,6 +128,29 @@ def at_three() -> dict[str, Any]:
 def test_a_plain_loader_under_ddp_is_warned_about(at_three: dict[str, Any]) -> None:
     said = at_three["warning"]
     assert "this loader is not sharded, so each of the 3 data-parallel workers" in said
+
+
+def test_the_unsharded_warning_is_shown_once_for_two_ranks(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)))
+
+    def both_ranks() -> None:
+        for rank in (0, 1):  # the main rank says it; the other one only logs it
+            say = print if rank == 0 else (lambda line: None)
+            feeder = Feeder(2, rank, torch.device("cpu"), Position(), Throughput(), say, rank == 0)
+            next(feeder.epoch(loader, 0, "epoch 0", lambda: None))
+
+    # A script that configures no logging: logging's last resort would print each record.
+    monkeypatch.setattr(logging.root, "handlers", [])
+    both_ranks()
+    shown = capsys.readouterr()
+    assert (shown.out + shown.err).count("this loader is not sharded") == 1
+    # A script that configures logging still gets each rank's record.
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    monkeypatch.setattr(logging.root, "handlers", [logging.handlers.QueueHandler(records)])
+    both_ranks()
+    assert sum("not sharded" in records.get().getMessage() for _ in range(records.qsize())) == 2
 
 
 @pytest.mark.timeout(60)

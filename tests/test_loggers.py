@@ -11,8 +11,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import dtrain
 from dtrain.errors import ConfigError
 from dtrain.observe.loggers import LOGGERS, check_loggers, open_loggers
+from dtrain.teardown import close_all
 
 
 def csv_rows(directory: Path) -> list[tuple[int, str, float]]:
@@ -135,6 +137,18 @@ def test_missing_tensorboard_is_refused_with_the_install_command(
     with pytest.raises(ConfigError, match=r"pip install 'dtrain\[tensorboard\]'"):
         open_loggers(["csv", "tensorboard"], tmp_path)
     check_loggers(["csv"])
+
+
+def test_an_engine_refused_for_missing_tensorboard_ends_on_that_one_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The refusal comes while the Engine is being built; the exit handler then closes
+    # that half-built Engine (the traceback keeps it alive), which must add no error.
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ConfigError, match="needs the tensorboard package") as refused:
+        dtrain.init(strategy="single", logger=["tensorboard"], out=str(tmp_path))
+    close_all(failed=True)  # what the exit handler runs
+    assert str(refused.value).endswith("or choose the csv logger.")
 
 
 def test_tensorboard_that_fails_to_import_is_refused_with_the_install_command(

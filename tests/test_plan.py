@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dtrain.cli import build_parser, main
-from dtrain.plan import costs
+from dtrain.plan import command, costs
 from dtrain.plan.layouts import Layout, enumerate_layouts
 from dtrain.plan.links import Links, given, monotone_fit
 from dtrain.topology_flags import config_from
@@ -223,6 +223,36 @@ def test_plan_lists_runnable_candidates_that_fit(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(metrics.read_text())["steps"] == 3
+
+
+def test_every_layout_left_out_is_shown_with_its_whole_reason(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reason = (
+        "needs 12,345.6 MiB per rank, more than the 8,192.0 MiB per device "
+        "(--memory-per-device); lower --global-batch-size or shard the optimizer state "
+        "with --strategy zero2-cpu-offload-everything."
+    )
+    rows = [{"flags": f"--strategy zero{i} --nproc 2", "reason": reason} for i in range(10)]
+    answer = {
+        "model": "mlp",
+        "global_batch_size": 64,
+        "calibration": {"device": "cpu", "parameters": 1, "probe_seconds": 0.1, "link": "-"},
+        "explanation": "First pick: none.",
+        "left_out": rows,
+        "_estimates": [],
+    }
+    monkeypatch.setattr(command, "plan", lambda args: answer)
+    monkeypatch.setenv("COLUMNS", "72")
+    assert command.main(build_parser().parse_args(["plan", "--model", "mlp"])) == 0
+    shown = capsys.readouterr().out.split("\nLeft out (10):\n")[1].splitlines()
+    assert all(len(line) <= 72 for line in shown)
+    starts = [i for i, line in enumerate(shown) if line.startswith("  --strategy")]
+    assert len(starts) == 10
+    for row, first, end in zip(rows, starts, [*starts[1:], len(shown)], strict=True):
+        flags, said = " ".join(shown[first:end]).split(": ", 1)
+        assert flags.strip() == row["flags"]
+        assert " ".join(said.split()) == reason  # whole, every word intact
 
 
 class Tiny(nn.Module):

@@ -154,8 +154,8 @@ class Config:
     )
     trace_steps: str = option(
         "0:50",
-        "The optimizer steps A:B (from step A up to, not including, step B) the trace "
-        "holds; bounds its size.",
+        "The optimizer steps the trace holds, A:B as a slice of the run's steps: steps A+1 "
+        "to B as the progress bar counts them (10:30: steps 11 to 30); bounds its size.",
     )
     checkpoint_format: str = option(
         "consolidated",

@@ -57,10 +57,11 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     total = len(runnable) * args.repeats
     machines = ", ".join(workload.hosts)
     where = f"; on each of {machines} over ssh" if machines else ""
+    # The count is the table's rows: the skipped configurations are rows too.
     print(
         f"dtrain bench: {workload.description}{where}\n"
-        f"{len(runnable)} configuration(s) x {args.repeats} repeat(s) = {total} trials, "
-        f"taken in turn; {len(skipped)} skipped"
+        f"{len(runnable) + len(skipped)} configuration(s), {len(skipped)} skipped: "
+        f"{len(runnable)} x {args.repeats} repeat(s) = {total} trials, taken in turn"
         + "".join(f"\n  skipped {r.label}: {r.note}" for r in skipped.values()),
         flush=True,
     )

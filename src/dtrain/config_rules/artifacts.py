@@ -48,7 +48,8 @@ def _check_paths(config: Config) -> None:
 
 
 def step_window(text: str) -> tuple[int, int]:
-    """(A, B) of ``--trace-steps A:B``: optimizer steps A to B-1; a ConfigError otherwise."""
+    """(A, B) of ``--trace-steps A:B``: optimizer steps A+1 to B, counted from 1 as the
+    progress bar and the trace's events count them; a ConfigError otherwise."""
     first, colon, last = text.partition(":")
     try:
         window = int(first), int(last)
@@ -56,7 +57,7 @@ def step_window(text: str) -> tuple[int, int]:
         window = (-1, -1)
     if not colon or window[0] < 0 or window[1] <= window[0]:
         raise ConfigError(
-            f"--trace-steps must be A:B with 0 <= A < B (steps A to B-1), got '{text}'; for "
+            f"--trace-steps must be A:B with 0 <= A < B (steps A+1 to B), got '{text}'; for "
             "example --trace-steps 10:30."
         )
     return window

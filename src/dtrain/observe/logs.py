@@ -6,6 +6,10 @@ import logging
 from pathlib import Path
 
 LOGGER = logging.getLogger("dtrain")
+# Without a handler anywhere, logging would print each warning on every rank's stderr
+# (its last resort), beside the line the main rank already prints: the records go to the
+# rank's log file (`log_to_file`) and to the handlers a script configures, nowhere else.
+LOGGER.addHandler(logging.NullHandler())
 
 
 def log_to_file(directory: Path, rank: int) -> Path:

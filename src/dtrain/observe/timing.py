@@ -26,7 +26,7 @@ from dtrain.observe.clock import clock_for
 from dtrain.observe.diagnosis import Job, Reading, diagnose, table
 from dtrain.observe.events import End, Observer, Run
 from dtrain.observe.logs import LOGGER
-from dtrain.observe.trace import write_trace
+from dtrain.observe.trace import traced_steps, write_trace
 
 
 class RunTiming(Observer):
@@ -112,7 +112,7 @@ class RunTiming(Observer):
 
     def on_loop_step(self, step: int) -> None:
         # A hand-written loop's steps run from one optimizer step to the next.
-        self.timer.begin_step(-1)
+        self.timer.begin_step(step + 1)
 
     def on_close(self, end: End) -> None:
         if end.together:  # the gather needs every rank
@@ -155,14 +155,10 @@ class RunTiming(Observer):
         everyone = gather_objects(mine, group) if dist.is_initialized() else [mine]
         if not is_main:
             return {}
-        if self.trace_path is not None:
-            path = write_trace(self.trace_path, [r["spans"] for r in everyone])
-            first, last = timer.trace_window or (0, 0)
-            print(
-                f"dtrain: trace of steps {first} to {last - 1} in {path} (open it in "
-                "ui.perfetto.dev).",
-                flush=True,
-            )
+        if self.trace_path is not None and timer.trace_window is not None:
+            spans = [r["spans"] for r in everyone]
+            path = write_trace(self.trace_path, spans)
+            print(traced_steps(path, spans, timer.trace_window), flush=True)
         breakdown = [r["breakdown"] for r in everyone]
         if any(b is None for b in breakdown):
             return {}

@@ -60,3 +60,20 @@ def write_events(path: str | Path, events: list[dict[str, Any]]) -> Path:
 def write_trace(path: str | Path, spans_by_rank: list[list[Span]]) -> Path:
     """Write the trace of every rank's step spans to `path`."""
     return write_events(path, trace_events(spans_by_rank))
+
+
+def traced_steps(path: Path, spans_by_rank: list[list[Span]], window: tuple[int, int]) -> str:
+    """The line that says which steps the trace at `path` holds, numbered as its events
+    and the progress bar number them (from 1); `window` is ``--trace-steps A:B``."""
+    steps = {step for spans in spans_by_rank for _, step, _, _ in spans}
+    if not steps:
+        first, last = window
+        return (
+            f"dtrain: the trace in {path} holds no step: the run ended before step "
+            f"{first + 1}, where --trace-steps {first}:{last} starts; choose a window inside "
+            "the run, such as --trace-steps 0:10."
+        )
+    return (
+        f"dtrain: trace of steps {min(steps)} to {max(steps)} in {path} (open it in "
+        "ui.perfetto.dev)."
+    )

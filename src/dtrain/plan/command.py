@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from dataclasses import asdict
 from typing import Any
 
@@ -241,7 +242,6 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(result["explanation"])
     if result["left_out"]:
-        print(f"\nLeft out ({len(result['left_out'])}; --json lists why):")
-        for row in result["left_out"][:8]:
-            print(f"  {row['flags']}: {row['reason'].splitlines()[0][:160]}")
+        width = min(100, shutil.get_terminal_size().columns)
+        print(f"\n{report.left_out(result['left_out'], width)}")
     return 0

@@ -5,6 +5,7 @@ training would gain over it."""
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import replace
 from typing import Any
 
@@ -197,6 +198,23 @@ def where_approximate_pays(ranked: list[Estimate], link: str) -> str | None:
             "keeps the training."
         )
     return " ".join(parts)
+
+
+def left_out(rows: list[dict[str, str]], width: int) -> str:
+    """Every layout left out (``flags``) and why (``reason``), wrapped to `width` columns
+    at spaces only: flags such as ``--grad-compression`` and paths stay whole."""
+    lines = [f"Left out ({len(rows)}):"]
+    for row in rows:
+        text = f"{row['flags']}: {' '.join(row['reason'].split())}"
+        lines += textwrap.wrap(
+            text,
+            width,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines)
 
 
 def _ms(seconds: float) -> str:
