@@ -181,7 +181,7 @@ class Engine(JobView, DataSide, CheckpointSide):
         given labels), or any nesting of tensors (``model(batch)``); see `dtrain.batches`.
         The loss must be the mean over the batch's samples, or a Hugging Face model's own
         loss, the mean over the labels that are not -100: shares of the batch are then
-        weighted by their labels, as one device weighs them (`dtrain.parallel.label_weights`).
+        weighted by their labels, as one device weighs them (`dtrain.batches`).
         With ``grad_accumulation=k`` the batch is cut along its first dimension into k
         micro-batches whose gradients are accumulated locally and synchronised once. With
         ``clip_grad_norm`` the global gradient norm is clipped before the update. Returns

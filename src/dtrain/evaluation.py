@@ -10,8 +10,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.batches import LossFn, batch_loss, batch_size, call_model, has_own_loss, is_pair
-from dtrain.parallel.label_weights import LabelCounter, weigh
+from dtrain.batches import (
+    LabelCounter,
+    LossFn,
+    batch_loss,
+    batch_size,
+    call_model,
+    has_own_loss,
+    is_pair,
+    weigh,
+)
 from dtrain.strategies.base import Strategy
 
 
@@ -58,7 +66,7 @@ def evaluation_sums(
     Accuracy counts when the outputs (or their ``logits``) are (N, C) and the targets (or
     the batch's ``labels``) (N,) class indices; the loss sum weights each batch's mean
     loss by its size, or by its count of labels where `labels` applies (a Hugging Face
-    model's own loss: `dtrain.parallel.label_weights`). `extra_forwards` more forwards of
+    model's own loss: `dtrain.batches`). `extra_forwards` more forwards of
     the last batch follow, counted nowhere (so that every rank of a collective forward
     runs as many).
     """

@@ -21,9 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtrain.batches import DictFeed, pipeline_parts
+from dtrain.batches import DictFeed, Weight, pipeline_parts, weigh
 from dtrain.errors import SetupError
-from dtrain.parallel.label_weights import Weight, weigh
 from dtrain.parallel.relay import relay_forward
 from dtrain.parallel.split import Tie
 from dtrain.precision import LossScaling

@@ -16,13 +16,20 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from dtrain.batches import LossFn, forward_loss
+from dtrain.batches import (
+    LabelCounter,
+    LossFn,
+    Weight,
+    forward_loss,
+    label_counter,
+    share_weights,
+    weigh,
+)
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
-from dtrain.parallel.label_weights import LabelCounter, Weight, label_counter, share_weights, weigh
 from dtrain.parallel.materialize import DeferredInit
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.precision import LossScaling, compute_dtype
@@ -78,7 +85,7 @@ class Strategy(CheckpointState):
         the fields that differ."""
         self.labels: LabelCounter | None = None
         """How the model's own loss counts a batch's labels (a Hugging Face model's), so
-        that shares of a batch are weighted by their labels (parallel/label_weights.py)."""
+        that shares of a batch are weighted by their labels (batches.py)."""
 
     @property
     def name(self) -> str:
@@ -157,7 +164,7 @@ class Strategy(CheckpointState):
 
     def share_weights(self, shares: list[Any], loss_fn: LossFn | None) -> list[Weight]:
         """The weight of each of a step's micro-batches in this process, as
-        `dtrain.parallel.label_weights.share_weights` says: by samples, or by labels for a
+        `dtrain.batches.share_weights` says: by samples, or by labels for a
         model whose own loss averages over them, counted over every data-parallel process
         where the step averages their gradients."""
         placement = self.placement

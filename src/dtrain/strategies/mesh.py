@@ -23,7 +23,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from dtrain.batches import LossFn, pipeline_parts
+from dtrain.batches import LossFn, Weight, pipeline_parts
 from dtrain.checkpoint.format import expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
@@ -35,7 +35,6 @@ from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.device_mesh import parallel_mesh
 from dtrain.parallel.hooks import gradient_hooks
-from dtrain.parallel.label_weights import Weight
 from dtrain.parallel.parallelize import Parallelized, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, layout_of, rename_state

@@ -20,13 +20,12 @@ from torch import nn
 from torch.nn.parallel import parallel_apply
 from torch.optim import Optimizer
 
-from dtrain.batches import batch_size, split, to_device
+from dtrain.batches import LabelCounter, Weight, batch_size, share_weights, split, to_device, weigh
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
-from dtrain.parallel.label_weights import LabelCounter, Weight, share_weights, weigh
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import tower_count
