@@ -129,8 +129,11 @@ def test_a_failing_rank_is_reraised_and_the_others_stopped() -> None:
 
     with pytest.raises(dtrain.LaunchError, match="Rank 0 exited with code 7 before returning"):
         dtrain.launch(_exit_at_once)
-    with pytest.raises(dtrain.LaunchError, match="Rank 0 was killed by signal SIGKILL before"):
+    with pytest.raises(
+        dtrain.LaunchError, match="Rank 0 was killed by signal SIGKILL before"
+    ) as error:
         dtrain.launch(_kill_myself)
+    assert "checkpoints already written are intact" in str(error.value)  # and how to resume
 
     with pytest.raises(dtrain.LaunchError, match="cannot be pickled") as error:
         dtrain.launch(_return_a_lambda)

@@ -176,7 +176,7 @@ def _lost_connection(survey: Survey, detail: str) -> str | None:
     )
 
 
-def _killed() -> str:
+def killed_advice() -> str:
     """What a rank killed by a signal (no Python exception of its own) is told."""
     return (
         "It raised no Python exception: it was killed from outside or ran out of memory; "
@@ -188,7 +188,7 @@ def _killed() -> str:
 def _how(failure: ProcessFailure) -> tuple[str, str]:
     """(how a failed rank ended, its own traceback or message, or what to check)."""
     if failure.exitcode < 0:
-        return f"was killed by signal {failure.signal_name()}", _killed()
+        return f"was killed by signal {failure.signal_name()}", killed_advice()
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
     ours = data.get("dtrain")
     if ours:

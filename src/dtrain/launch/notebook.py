@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dtrain.advice import COMMAND_VAR, LAUNCH
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, LaunchError
+from dtrain.launch.failures import killed_advice
 from dtrain.launch.forked import Child, end, fork_rank, watch
 from dtrain.strategies.specs import lookup
 
@@ -237,8 +238,7 @@ def _how(child: Child) -> tuple[str, str]:
     if child.status < 0:
         return (
             f"was killed by signal {_signal_name(-child.status)} before returning a result.",
-            "It raised no Python exception: it was killed from outside or ran out of memory; "
-            "check the machine's logs (dmesg) and its memory use.",
+            killed_advice(),
         )
     return (
         f"exited with code {child.status} before returning a result (os._exit, or a crash "
