@@ -132,6 +132,9 @@ def test_a_file_damaged_behind_its_manifest_is_named_and_resume_falls_back(
     file = step_path(root, 2) / name
     said = f"{file} cannot be read ("
 
+    verified = run_ckpt("verify", str(step_path(root, 2)))  # reads every file through
+    assert verified.returncode == 1 and said in verified.stderr, verified.stderr
+
     if name != "optimizer.pt":  # converting reads every other file; a plain file not that
         out = tmp_path / ("consolidated" if layout == "sharded" else "model.pt")
         converted = run_ckpt("convert", str(step_path(root, 2)), str(out))

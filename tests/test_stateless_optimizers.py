@@ -1,8 +1,8 @@
 """Optimizers that hold no state save and load under every strategy, in both checkpoint
 formats: SGD without momentum (the README's quickstart), and Adam saved before its first
-step. Each strategy saves; then each loads what every other one saved into an optimizer
-that has state of its own and another learning rate, and takes a step, which must land
-where `single` lands without the load.
+step. Each strategy saves; then each loads what two others saved (`others`) into an
+optimizer that has state of its own and another learning rate, and takes a step, which
+must land where `single` lands without the load.
 
 `single` and `towers` run in this process, before and after one spawned job of two
 processes that runs the others.
@@ -101,13 +101,19 @@ def run(
 
 
 def others(strategy: str) -> list[str]:
-    """The strategies whose checkpoints `strategy` loads."""
-    return [s for s in [*IN_PROCESS, *AT_TWO] if s != strategy]
+    """The strategies whose checkpoints `strategy` loads: single's (towers' for single)
+    and the next one's in the order of IN_PROCESS and AT_TWO, so that every strategy's
+    checkpoint is read by another layout and every strategy reads two others."""
+    order = [*IN_PROCESS, *AT_TWO]
+    first = "towers" if strategy == "single" else "single"
+    i = order.index(strategy)
+    after = [s for s in order[i + 1 :] + order[:i] if s not in (first, strategy)]
+    return [first, after[0]]
 
 
 def run_at_two(root: Path) -> dict[str, dict[str, Any]]:
     """Every strategy of AT_TWO under every optimizer, one after the other in this process
-    group: first each saves, then each loads what every other one saved."""
+    group: first each saves, then each loads what two others saved."""
     plan = [
         (name, strategy, sources)
         for name in OPTIMIZERS
@@ -125,7 +131,7 @@ def run_at_two(root: Path) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Every strategy's results by "optimizer/strategy": its own step after saving
-    ("own"), and its step after loading each other strategy's checkpoint."""
+    ("own"), and its step after loading each checkpoint of `others`."""
     root = tmp_path_factory.mktemp("stateless")
     done = {
         f"{name}/{strategy}": run(strategy, name, root, [])

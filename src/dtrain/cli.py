@@ -119,7 +119,7 @@ def _data(args: argparse.Namespace) -> int:
 
 def _ckpt(args: argparse.Namespace) -> int:
     from dtrain.checkpoint.convert import convert
-    from dtrain.checkpoint.verify import summary, verify
+    from dtrain.checkpoint.verify import read_through, summary, verify
     from dtrain.observe.metrics import format_table
 
     if args.ckpt_command == "convert":
@@ -128,7 +128,7 @@ def _ckpt(args: argparse.Namespace) -> int:
     if args.ckpt_command == "inspect":
         print(format_table(summary(args.path)))
         return 0
-    problems = verify(args.path)
+    problems = verify(args.path) or read_through(args.path)
     if problems:
         print(
             f"dtrain: {args.path} is damaged:\n  "
@@ -137,7 +137,7 @@ def _ckpt(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"{args.path}: every file matches the manifest.")
+    print(f"{args.path}: every file matches the manifest and reads.")
     return 0
 
 
