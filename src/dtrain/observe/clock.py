@@ -32,10 +32,6 @@ class HostClock:
         """A mark for now (`again` is for the CUDA clock's reuse of an event)."""
         return time.perf_counter()
 
-    def host_seconds(self) -> float:
-        """Now, on the host, in seconds since the origin."""
-        return time.perf_counter() - self.origin
-
     def seconds(self, marks: list[Mark]) -> list[float]:
         """Each mark in seconds since the origin."""
         return [m - self.origin for m in marks]

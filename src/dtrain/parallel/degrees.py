@@ -52,11 +52,6 @@ class Degrees:
         return self.dp > 1
 
     @property
-    def dp_shard_enabled(self) -> bool:
-        """True when the data-parallel ranks shard the model state (FSDP)."""
-        return self.dp_shard > 1
-
-    @property
     def pp_enabled(self) -> bool:
         """True with more than one pipeline stage."""
         return self.pp > 1

@@ -122,25 +122,11 @@ def greedy_partition_share(sizes: list[float], n: int) -> float:
     return max(loads) / total
 
 
-def zero_traffic_factor(stage: int) -> float:
-    """Bytes each rank moves per step, in units of plain data parallel's all-reduce
-    2(n-1)/n x S: 1 for stages 0-2 (reduce-scatter + all-gather), 1.5 for stage 3 (the
-    parameters are gathered twice, in forward and in backward)."""
-    return 1.5 if stage == 3 else 1.0
-
-
 def ps_step_seconds(model_bytes: float, workers: int, servers: int, bandwidth: float) -> float:
     """A parameter-server step's communication (BytePS, Jiang et al. OSDI'20):
     max(M/B, nM/(kB)): each worker pushes and pulls M; the servers together receive and
     send nM, each k-th of it through its own link."""
     return max(model_bytes / bandwidth, workers * model_bytes / (servers * bandwidth))
-
-
-def tensor_allreduces(pairs: int) -> int:
-    """All-reduces of activations per step for `pairs` column-then-row split layer pairs
-    (Megatron, Shoeybi et al. 2019): one in forward (after the row-split layer) and one in
-    backward (the column-split layer's input gradient) per pair."""
-    return 2 * pairs
 
 
 def towers_replication_bytes(params: float, copies: int) -> float:
