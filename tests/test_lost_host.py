@@ -4,10 +4,14 @@ of the machines left (issue 24, item 5).
 The job's machines publish themselves in its store when their workers start, each with a
 beacon port; after a failure the launcher knocks at the others' beacons, and a rank that
 lost its peer is told which machine does not answer any more. End to end: a job on two
-test hosts (tests/cluster.py) whose second host's link goes down mid-training."""
+test hosts (tests/cluster.py) whose second host's link goes down mid-step, and one whose
+second host is killed in the middle of a sharded save (issue 35): the first host's report
+names the lost one, the last checkpoint committed verifies, and the demo resumed from it
+ends with the parameters of an uninterrupted run."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -17,9 +21,14 @@ from pathlib import Path
 
 import cluster
 import pytest
+import safetensors.torch
+import torch
 import torch.distributed as dist
+from conftest import run_ckpt, run_cli
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.testing import assert_close
 
+from dtrain.checkpoint import find_latest, step_path
 from dtrain.config import Config
 from dtrain.launch.failures import TIMED_OUT, format_failures
 from dtrain.launch.machines import HOST_NAME_VAR, Machine, Roster, Survey, _beacon, roster_of
@@ -131,69 +140,166 @@ def test_the_machines_meet_in_the_store_and_a_silent_one_is_found(
 
 WHY_NOT = cluster.unavailable()
 
-TRAINS = """\
-import itertools, time
-import torch, torch.nn.functional as F
+STEPS = 6
+DEMO = ("--model", "mlp", "--steps", str(STEPS), "--checkpoint-every", "1", "--seed", "0")
+
+HALTS = """\
+import os, sys, time
+from pathlib import Path
+import torch.distributed.checkpoint as dcp
 import dtrain
-engine = dtrain.init()
-model = torch.nn.Linear(4, 2)
-model, opt = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-loader = engine.dataloader(data, batch_size=8)
-for epoch in itertools.count():
-    for batch in loader:
-        engine.train_step(batch, F.cross_entropy)
-        print(f"step {engine.step}", flush=True)
-        time.sleep(0.1)
+from dtrain import demo
+
+# RANK WHERE STEP MARKER, then the demo's flags. Rank RANK halts, and says so by making
+# the file MARKER: at "step", before training step STEP + 1; at "save", in the save of
+# step STEP once every rank's pieces are written, before the manifest that makes them a
+# checkpoint. It goes on once the file MARKER.go appears.
+rank, where, step, marker = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+
+
+def halt():
+    marker.touch()
+    while not marker.with_suffix(".go").exists():
+        time.sleep(0.05)
+
+
+train_step, save = dtrain.Engine.train_step, dcp.save
+
+
+def train_step_or_halt(engine, *args, **kwargs):
+    if engine.step == step:
+        halt()
+    return train_step(engine, *args, **kwargs)
+
+
+def save_then_halt(state, *, checkpoint_id, **kwargs):
+    done = save(state, checkpoint_id=checkpoint_id, **kwargs)
+    if Path(checkpoint_id).name.startswith(f".step-{step:08d}.tmp-"):
+        halt()
+    return done
+
+
+if os.environ["RANK"] == rank and where == "step":
+    dtrain.Engine.train_step = train_step_or_halt
+if os.environ["RANK"] == rank and where == "save":
+    dcp.save = save_then_halt
+demo.main(sys.argv[5:])
 """
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The parameters of the demo run whole in this process: what every resumed run must
+    end with."""
+    from dtrain import demo
+
+    out = tmp_path_factory.mktemp("uninterrupted")
+    demo.main([*DEMO, "--out", str(out)])
+    return safetensors.torch.load_file(step_path(out / "checkpoints", STEPS) / "model.safetensors")
+
+
+def _run_halted(
+    hosts: cluster.Cluster, tmp_path: Path, halt: tuple[int, str, int], *flags: str
+) -> tuple[list[subprocess.Popen[str]], list[Path], Path]:
+    """Start the digits demo (ddp, a checkpoint each step, `flags`) on dt-h1 and dt-h2, as
+    nodes 0 and 1, rank `halt[0]` halting where the rest of `halt` says (`HALTS`); return
+    once it has halted: the hosts' jobs, their logs, and the file that lets it go on."""
+    script, marker = tmp_path / "train.py", tmp_path / "halted"
+    script.write_text(HALTS)
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    job = ("run", "--strategy", "ddp", "--nnodes", "2", "--master", "dt-h1:29801", *flags)
+    trains = (str(script), *map(str, halt), str(marker), *DEMO, "--out", "job")
+    procs = [
+        hosts.popen(
+            host,
+            cluster.dtrain_command(
+                *job, "--timeout", str(TIMEOUT_S), "--node-rank", str(node), *trains
+            ),
+            cwd=tmp_path,
+            env=cluster.job_env(),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for node, (host, log) in enumerate(zip(hosts.hosts, logs, strict=True))
+    ]
+    deadline = time.monotonic() + 90
+    while not marker.exists():
+        assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+        assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+        time.sleep(0.05)
+    return procs, logs, marker.with_suffix(".go")
+
+
+def _survivor_report(proc: subprocess.Popen[str], log: Path, cut: float, lost: str) -> str:
+    """The report of a survivor's job, which must end (failed) within --timeout of the
+    `cut` (with the time its probe of the others and its teardown take), naming the
+    machine `lost` with its rank."""
+    proc.wait(timeout=TIMEOUT_S + 30)
+    print(
+        f"the survivor ended {time.monotonic() - cut:.1f} s after the cut (--timeout {TIMEOUT_S})"
+    )
+    report = log.read_text()
+    assert proc.returncode == 1, report[-3000:]
+    assert f"It lost its connection to machine {lost} ran, which" in report, report[-3000:]
+    return report
+
+
+def _resumes_exactly(
+    tmp_path: Path, committed: int, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """The newest checkpoint of the job is `committed`, which verifies; the demo resumed
+    from it ends with the parameters of the uninterrupted run."""
+    root = tmp_path / "job" / "checkpoints"
+    assert find_latest(root) == step_path(root, committed), sorted(os.listdir(root))
+    verified = run_ckpt("verify", str(step_path(root, committed)))
+    assert verified.returncode == 0, verified.stderr
+    resumed = run_cli("demo", *DEMO, "--resume", "--out", "job", cwd=tmp_path, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resumed at step {committed} from a" in resumed.stdout, resumed.stdout[-3000:]
+    final = step_path(root, STEPS) / "model.safetensors"
+    assert_close(safetensors.torch.load_file(final), uninterrupted)
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"no test hosts: {WHY_NOT}")
 @pytest.mark.timeout(150)
-def test_a_host_whose_link_goes_down_is_named_with_its_rank(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(TRAINS)
-    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+def test_a_host_whose_link_goes_down_is_named_with_its_rank(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """dt-h2's link goes down while dt-h1 waits on it in step 4: dt-h1 names it; the
+    checkpoint of step 3 is the last, intact, and resuming from it trains as an
+    uninterrupted run."""
     with cluster.cluster(2, rate="1gbit") as hosts:
-        procs = [
-            hosts.popen(
-                host,
-                cluster.dtrain_command(
-                    "run",
-                    "--strategy",
-                    "ddp",
-                    "--nnodes",
-                    "2",
-                    "--node-rank",
-                    str(node),
-                    "--master",
-                    "dt-h1:29801",
-                    "--timeout",
-                    str(TIMEOUT_S),
-                    str(script),
-                ),
-                cwd=tmp_path,
-                env=cluster.job_env(),
-                stdout=log.open("w"),
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            for node, (host, log) in enumerate(zip(hosts.hosts, logs, strict=True))
-        ]
-        deadline = time.monotonic() + 90
-        while "step 3" not in logs[0].read_text():
-            assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
-            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
-            time.sleep(0.05)
+        procs, logs, go = _run_halted(hosts, tmp_path, (1, "step", 3))
         cut = time.monotonic()
         subprocess.run(
             ["ip", "-n", hosts.host("dt-h2").netns, "link", "set", "eth0", "down"], check=True
         )
-        procs[0].wait(timeout=TIMEOUT_S * 3 + 30)
-        took = time.monotonic() - cut
-    report = logs[0].read_text()
-    assert procs[0].returncode == 1, report[-3000:]
-    assert (
-        "It lost its connection to machine dt-h2 (10.77.0.2), where rank 1 ran, which does "
-        "not answer this machine either" in report
-    ), report[-3000:]
-    print(f"dt-h1 named dt-h2 {took:.1f} s after its link went down (--timeout {TIMEOUT_S})")
+        go.touch()  # dt-h2 goes on into step 4, cut off
+        report = _survivor_report(procs[0], logs[0], cut, "dt-h2 (10.77.0.2), where rank 1")
+    assert "which does not answer this machine either" in report, report[-3000:]
+    _resumes_exactly(tmp_path, 3, uninterrupted)
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no test hosts: {WHY_NOT}")
+@pytest.mark.timeout(150)
+def test_a_host_lost_during_a_sharded_save_leaves_the_last_checkpoint(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """dt-h1 (rank 0, which writes the manifest) is killed while the sharded checkpoint
+    of step 3 is being written, every rank's pieces on disk: dt-h2 names it, the pieces
+    never become a checkpoint, and resuming from step 2's trains as an uninterrupted run."""
+    root = tmp_path / "job" / "checkpoints"
+    with cluster.cluster(2, rate="1gbit") as hosts:
+        procs, logs, _ = _run_halted(
+            hosts, tmp_path, (0, "save", 3), "--checkpoint-format", "sharded"
+        )
+        (half,) = root.glob(".step-00000003.tmp-*")
+        assert any(half.glob("*.distcp")) and not (half / "manifest.json").exists()
+        cut = time.monotonic()
+        hosts.kill(hosts.host("dt-h1"))
+        _survivor_report(procs[1], logs[1], cut, "dt-h1 (10.77.0.1), where rank 0")
+    assert not step_path(root, 3).exists() and (half / ".metadata").is_file()
+    refused = run_ckpt("verify", str(half))
+    assert "is not a dtrain checkpoint (no manifest.json)" in refused.stderr, refused.stderr
+    _resumes_exactly(tmp_path, 2, uninterrupted)
+    assert not half.exists()  # the resume cleared it away
