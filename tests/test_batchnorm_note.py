@@ -12,6 +12,7 @@ from torch import nn
 
 from dtrain.config import Config
 from dtrain.strategies.base import Strategy
+from dtrain.strategies.specs import lookup
 from dtrain.topology import Topology
 
 TWO = Topology(rank=0, world_size=2, local_rank=0, local_world_size=2,
@@ -23,7 +24,8 @@ def _model() -> nn.Module:
 
 
 def _notes(topology: Topology, model: nn.Module | None = None, **options: object) -> list[str]:
-    strategy = Strategy(Config(**options), topology)
+    config = Config(**options)
+    strategy = Strategy(config, topology, lookup(config.strategy))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         strategy._note_unsynced_batchnorm(model or _model())

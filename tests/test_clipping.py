@@ -114,7 +114,7 @@ def test_what_clip_grad_norm_returns_under_sync_ps_is_what_the_docs_say() -> Non
     a worker's `clip_grad_norm_` returns NaN, not a norm that differs from single's; every
     text that states what it returns says so."""
     worker = Topology(0, 2, 0, 2, torch.device("cpu"), "gloo")  # worker 0, then one server
-    ps = lookup("ps").runtime()(Config(strategy="ps", servers=1), worker)
+    ps = lookup("ps").build(Config(strategy="ps", servers=1), worker)
     assert torch.isnan(ps.clip_grad_norm_(BOUND))
     root = Path(__file__).resolve().parent.parent
     texts = {

@@ -60,7 +60,7 @@ def init(strategy: str | None = None, **options: Any) -> Engine:
     if spec.multiprocess:
         init_process_group(topology, config.timeout_s)
     settle_seed(config.seed, _training_seeds(spec, config), topology.is_main)
-    return Engine(config, topology, spec.runtime()(config, topology))
+    return Engine(config, topology, spec.build(config, topology))
 
 
 def _training_seeds(spec: StrategySpec, config: Config) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,8 +35,10 @@ from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.precision import LossScaling, compute_dtype
 from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.placement import replicas
-from dtrain.strategies.specs import lookup
 from dtrain.topology import Topology
+
+if TYPE_CHECKING:
+    from dtrain.strategies.specs import StrategySpec
 
 
 def _nothing() -> None:
@@ -69,13 +71,14 @@ class Strategy(CheckpointState):
     the fields of `placement` that differ.
 
     What is known before any process starts (names, the process layout, the options
-    refused) is the strategy's spec, `self.spec` (strategies/specs.py).
+    refused) is the strategy's spec, `self.spec` (strategies/specs.py), which builds it
+    (`StrategySpec.build`).
     """
 
-    def __init__(self, config: Config, topology: Topology) -> None:
+    def __init__(self, config: Config, topology: Topology, spec: StrategySpec) -> None:
         self.config = config
         self.topology = topology
-        self.spec = lookup(config.strategy)
+        self.spec = spec
         self.model: nn.Module | None = None
         self.handover = Handover()
         """What the Engine handed over with `setup`."""

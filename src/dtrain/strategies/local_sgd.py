@@ -56,6 +56,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.broadcast import broadcast_model, broadcast_tensors
 from dtrain.strategies.base import Strategy
+from dtrain.strategies.specs import StrategySpec
 from dtrain.topology import Topology
 
 DEFAULT_SYNC_EVERY = 8
@@ -69,8 +70,8 @@ for nesterov; for sgd those that make a sync plain averaging."""
 class LocalSGD(Strategy):
     """Whole replicas, one per process, synced every `sync_every` optimizer steps."""
 
-    def __init__(self, config: Config, topology: Topology) -> None:
-        super().__init__(config, topology)
+    def __init__(self, config: Config, topology: Topology, spec: StrategySpec) -> None:
+        super().__init__(config, topology, spec)
         self.sync_every = config.sync_every or DEFAULT_SYNC_EVERY
         lr, momentum = OUTER_DEFAULTS.get(config.outer_optimizer, (0.0, 0.0))
         self.outer_lr = lr if config.outer_lr is None else config.outer_lr

@@ -44,7 +44,7 @@ from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.placement import Placement
 from dtrain.strategies.rebuild import group_names, repoint
-from dtrain.strategies.specs import MeshSpec
+from dtrain.strategies.specs import MeshSpec, StrategySpec
 from dtrain.topology import Topology
 
 
@@ -52,8 +52,8 @@ class MeshStrategy(Strategy):
     """A preset over :class:`Degrees`: its spec (a :class:`MeshSpec`) says which degrees
     (`layout`) and how the data-parallel ranks synchronise (`dp_mode`)."""
 
-    def __init__(self, config: Config, topology: Topology) -> None:
-        super().__init__(config, topology)
+    def __init__(self, config: Config, topology: Topology, spec: StrategySpec) -> None:
+        super().__init__(config, topology, spec)
         spec = self.spec
         assert isinstance(spec, MeshSpec)
         self.degrees = spec.layout(config, topology.world_size)

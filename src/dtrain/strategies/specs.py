@@ -62,6 +62,11 @@ class StrategySpec:
         module, _, name = self.runtime_class.partition(":")
         return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
+    def build(self, config: Config, topology: Topology) -> Strategy:
+        """This strategy in a training process, for `config` on `topology`: its runtime
+        class, handed this spec."""
+        return self.runtime()(config, topology, self)
+
     def check_launch(self, config: Config) -> None:
         """Validate the process layout before any process starts (called by the launcher)."""
         if not self.multiprocess and (config.nproc != 1 or config.nnodes != 1):

@@ -28,7 +28,7 @@ from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.strategies.base import Strategy
-from dtrain.strategies.specs import tower_count
+from dtrain.strategies.specs import StrategySpec, tower_count
 from dtrain.topology import Topology, use_gpus
 
 
@@ -184,8 +184,8 @@ class TowerReplicas(nn.Module):
 class Towers(Strategy):
     """Single-process data parallel over N replicas (`--towers N`)."""
 
-    def __init__(self, config: Config, topology: Topology) -> None:
-        super().__init__(config, topology)
+    def __init__(self, config: Config, topology: Topology, spec: StrategySpec) -> None:
+        super().__init__(config, topology, spec)
         devices, self.param_device = tower_devices(config)
         # Batches arrive on the parameter device, where the towers' outputs are gathered.
         self.placement = replace(

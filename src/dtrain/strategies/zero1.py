@@ -21,14 +21,15 @@ from dtrain.errors import ConfigError, SetupError
 from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.mesh import MeshStrategy
 from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
+from dtrain.strategies.specs import StrategySpec
 from dtrain.topology import Topology
 
 
 class Zero1(MeshStrategy):
     """DDP's replicas, optimizer state sharded over the data-parallel ranks."""
 
-    def __init__(self, config: Config, topology: Topology) -> None:
-        super().__init__(config, topology)
+    def __init__(self, config: Config, topology: Topology, spec: StrategySpec) -> None:
+        super().__init__(config, topology, spec)
         # Each rank's optimizer holds the state of its shard of the parameters.
         self.placement = replace(self.placement, splits_model=True)
 

@@ -39,15 +39,15 @@ from dtrain.strategies.ps.handshake import Description, handshake
 from dtrain.strategies.ps.optimizer import GroupSettings, WorkerOptimizer, check_optimizer
 from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.ps.storage import FlatParameters
-from dtrain.strategies.specs import NO_BACKUP_CLIPPING
+from dtrain.strategies.specs import NO_BACKUP_CLIPPING, StrategySpec
 from dtrain.topology import Topology
 
 
 class ParameterServer(Strategy):
     """Data parallel against K CPU parameter servers (sync, async or bounded staleness)."""
 
-    def __init__(self, config: Config, topology: Topology) -> None:
-        super().__init__(config, topology)
+    def __init__(self, config: Config, topology: Topology, spec: StrategySpec) -> None:
+        super().__init__(config, topology, spec)
         self.roles = Roles.of(config)
         self.workers = self.roles.workers
         self.client: Client | None = None
