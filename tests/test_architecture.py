@@ -31,8 +31,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "foundations",
         {
-            "config.py", "config_file.py", "collectives.py", "batches.py", "position.py",
-            "optimizers.py", "precision.py", "lr.py", "data.py", "streams.py", "teardown.py",
+            "config.py", "config_file.py", "collectives.py", "step/", "lr.py", "data.py",
+            "streams.py", "teardown.py",
             "topology.py", "models/", "datasets/", "tasks.py", "config_rules/", "resumable.py",
         },
     ),
@@ -332,7 +332,7 @@ PRODUCT_DOORS = {
     },
     "plan/": PUBLIC
     | {
-        "dtrain.batches",
+        "dtrain.step.batches",
         "dtrain.data",
         "dtrain.models",
         "dtrain.command_names",
@@ -343,10 +343,10 @@ PRODUCT_DOORS = {
         "dtrain.parallel.tensor_plan",
         SPECS,
     },
-    "keras/": PUBLIC | {"dtrain.batches", "dtrain.engine", "dtrain.parallel.data_parallel"},
+    "keras/": PUBLIC | {"dtrain.step.batches", "dtrain.engine", "dtrain.parallel.data_parallel"},
     "bench/": PUBLIC
     | {
-        "dtrain.batches",
+        "dtrain.step.batches",
         "dtrain.command_names",
         "dtrain.tasks",
         "dtrain.launch.hosts",

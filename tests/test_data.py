@@ -18,7 +18,7 @@ from dtrain.data import ShardedBatchSampler
 from dtrain.errors import ConfigError, SetupError
 from dtrain.feeding import Feeder
 from dtrain.observe.progress import Throughput
-from dtrain.position import Position
+from dtrain.step.position import Position
 
 
 def shares(world: int, global_batch: int = 12, size: int = 100, epoch: int = 0) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """A Hugging Face model's own loss is a mean over its labels that are not -100: shares of a
 batch holding unequal counts of them weigh by those counts, as one device weighs them
-(src/dtrain/batches.py). The strategies' equality with `single` on such
+(src/dtrain/step/batches.py). The strategies' equality with `single` on such
 batches is held by the third-party matrix (tests/test_third_party.py, whose causal LM
 batches mask prompts of 0 to 5 tokens); here, the counting and the weights themselves,
 and the in-process paths: accumulation micro-batches and towers, in training and in
@@ -18,8 +18,8 @@ from torch.testing import assert_close
 from training import CLOSE
 
 import dtrain
-from dtrain.batches import LabelCounter, label_counter, share_weights, weigh
 from dtrain.models.digits import DigitsMLP
+from dtrain.step.batches import LabelCounter, label_counter, share_weights, weigh
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

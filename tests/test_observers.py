@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import dtrain
 from dtrain import End, Observer, Run
-from dtrain.batches import batch_size
 from dtrain.models import DigitsMLP
+from dtrain.step.batches import batch_size
 
 pytestmark = pytest.mark.quick
 

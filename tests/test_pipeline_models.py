@@ -23,11 +23,11 @@ from torch.utils.data import Dataset
 from training import finish
 
 import dtrain
-from dtrain.batches import pipeline_parts
 from dtrain.errors import ConfigError, SetupError
 from dtrain.parallel.hf_pipeline import hf_feed
 from dtrain.parallel.pipeline import PipelineModel
 from dtrain.parallel.split import Stage, check_stages, layers_of, layout_of, split_layers
+from dtrain.step.batches import pipeline_parts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import (  # noqa: E402

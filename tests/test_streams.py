@@ -19,7 +19,7 @@ import dtrain
 from dtrain.errors import ConfigError, SetupError
 from dtrain.feeding import Feeder
 from dtrain.observe.progress import Throughput
-from dtrain.position import Position
+from dtrain.step.position import Position
 
 SIZE = 50  # 4 global batches of 12, and 2 samples left over
 GLOBAL_BATCH = 12  # divides over 1, 2 and 3 ranks

@@ -11,9 +11,9 @@ from torch import nn
 from torch.testing import assert_close
 
 import dtrain
-from dtrain.batches import batch_size, forward_loss, split, to_device
 from dtrain.errors import ConfigError, SetupError
-from dtrain.optimizers import check_split
+from dtrain.step.batches import batch_size, forward_loss, split, to_device
+from dtrain.step.optimizers import check_split
 
 
 def test_a_nested_batch_is_cut_along_its_first_dimension() -> None:

@@ -23,8 +23,8 @@ from dtrain.observe.progress import Throughput
 from dtrain.observe.run_report import RunReport
 from dtrain.observe.summary import RunSummary
 from dtrain.observe.timing import RunTiming
-from dtrain.position import Position
-from dtrain.precision import LossScaling
+from dtrain.step.position import Position
+from dtrain.step.precision import LossScaling
 from dtrain.strategies.base import Strategy
 from dtrain.topology import Topology
 

@@ -41,8 +41,8 @@ from dtrain.errors import CheckpointError, DamagedCheckpointError
 from dtrain.observe.events import Observer, Observers, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.loss_reads import LossReads
-from dtrain.position import Position
-from dtrain.precision import LossScaling
+from dtrain.step.position import Position
+from dtrain.step.precision import LossScaling
 from dtrain.strategies.base import Strategy
 
 

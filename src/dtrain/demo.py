@@ -17,7 +17,6 @@ import torch
 
 import dtrain
 from dtrain import checkpoint
-from dtrain.batches import check_batch
 from dtrain.config_file import add_config_arg, parse_with_config
 from dtrain.demo_checks import complete_args
 from dtrain.demo_flags import add_training_args
@@ -30,6 +29,7 @@ from dtrain.observe.logs import LOGGER
 from dtrain.observe.metrics import format_table
 from dtrain.shard_files import ShardFiles
 from dtrain.shard_share import ShardShare
+from dtrain.step.batches import check_batch
 from dtrain.tasks import TASKS, make_optimizer
 from dtrain.topology_flags import add_topology_args
 

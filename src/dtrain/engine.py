@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from dtrain.assembly import banner, loss_scaling, release, watchers
-from dtrain.batches import LossFn, batch_size, split, to_device
 from dtrain.checkpointing import CheckpointSide
 from dtrain.config import Config
 from dtrain.errors import CheckpointError, ConfigError, SetupError
@@ -30,10 +29,11 @@ from dtrain.job_view import JobView
 from dtrain.observe.events import End, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.progress import Throughput
-from dtrain.optimizers import check_split, train_step_refusal
 from dtrain.parallel import build_record, materialize
 from dtrain.parallel.build_record import BuildRecord
-from dtrain.position import Position
+from dtrain.step.batches import LossFn, batch_size, split, to_device
+from dtrain.step.optimizers import check_split, train_step_refusal
+from dtrain.step.position import Position
 from dtrain.strategies.base import Handover, Strategy
 from dtrain.teardown import close_at_exit, forget
 from dtrain.topology import Topology
@@ -178,10 +178,10 @@ class Engine(JobView, DataSide, CheckpointSide):
         `batch` is an ``(inputs, targets)`` pair (the loss is ``loss_fn(model(inputs),
         targets)``), a dict (``model(**batch)``; the loss is ``loss_fn(output, batch)``, or
         with ``loss_fn=None`` the output's own ``.loss``, as Hugging Face models return it
-        given labels), or any nesting of tensors (``model(batch)``); see `dtrain.batches`.
+        given labels), or any nesting of tensors (``model(batch)``); see `dtrain.step.batches`.
         The loss must be the mean over the batch's samples, or a Hugging Face model's own
         loss, the mean over the labels that are not -100: shares of the batch are then
-        weighted by their labels, as one device weighs them (`dtrain.batches`).
+        weighted by their labels, as one device weighs them (`dtrain.step.batches`).
         With ``grad_accumulation=k`` the batch is cut along its first dimension into k
         micro-batches whose gradients are accumulated locally and synchronised once. With
         ``clip_grad_norm`` the global gradient norm is clipped before the update. Returns

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.batches import (
+from dtrain.step.batches import (
     LabelCounter,
     LossFn,
     batch_loss,
@@ -61,12 +61,12 @@ def evaluation_sums(
     """([loss sum, its weight, correct, samples] as float64 on `device`, whether it is a
     classifier, whether a loss was counted).
 
-    Batches take the shapes `dtrain.batches` describes; a batch's loss is counted when
+    Batches take the shapes `dtrain.step.batches` describes; a batch's loss is counted when
     `loss_fn` is given or the model returns one. `model` is put in eval mode and back.
     Accuracy counts when the outputs (or their ``logits``) are (N, C) and the targets (or
     the batch's ``labels``) (N,) class indices; the loss sum weights each batch's mean
     loss by its size, or by its count of labels where `labels` applies (a Hugging Face
-    model's own loss: `dtrain.batches`). `extra_forwards` more forwards of
+    model's own loss: `dtrain.step.batches`). `extra_forwards` more forwards of
     the last batch follow, counted nowhere (so that every rank of a collective forward
     runs as many).
     """

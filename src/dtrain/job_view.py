@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dtrain.collectives import barrier
 from dtrain.config import Config
 from dtrain.observe.logs import log_to_file
-from dtrain.position import Position
+from dtrain.step.position import Position
 from dtrain.strategies.base import Strategy
 from dtrain.topology import Topology
 

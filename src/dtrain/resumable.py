@@ -11,7 +11,7 @@ epoch again from its start, as a new pass over torch's loaders does.
 A training pass is one of a training loader (drop_last) that starts with gradients on, or
 any pass of `engine.progress`. It records the batches it yields, and each optimizer step
 moves the run's `Position` past the batches it trained (not those read ahead: see
-`dtrain.position`), so a checkpoint records where a plain loop stands as well as
+`dtrain.step.position`), so a checkpoint records where a plain loop stands as well as
 ``progress``'s. An evaluation's
 pass (`engine.evaluate` and ``torch.no_grad()`` loops turn gradients off; an evaluation
 loader without drop_last) reads its epoch whole and leaves the position and the count
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from dtrain.data import ShardedBatchSampler
 from dtrain.errors import SetupError
-from dtrain.position import Position, TrainingPass
+from dtrain.step.position import Position, TrainingPass
 from dtrain.streams import StreamShare
 
 Share = ShardedBatchSampler | StreamShare

@@ -99,7 +99,7 @@ class Workload:
         spec.check_options(config)
         if self.model is None:
             return
-        from dtrain.batches import check_batch
+        from dtrain.step.batches import check_batch
         from dtrain.tasks import TASKS
 
         dp_size, splits = spec.batch_layout(config)

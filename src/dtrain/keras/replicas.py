@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from dtrain.batches import split
 from dtrain.errors import ConfigError
 from dtrain.keras.backend import keras
+from dtrain.step.batches import split
 
 
 def device_name(device: torch.device) -> str:

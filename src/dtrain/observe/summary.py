@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from dtrain.batches import batch_size
 from dtrain.config import Config
 from dtrain.observe.events import End, Observer
 from dtrain.observe.progress import Throughput, steady_rate
 from dtrain.observe.run_report import RunReport
 from dtrain.observe.timing import RunTiming
-from dtrain.position import Position
-from dtrain.precision import LossScaling
+from dtrain.step.batches import batch_size
+from dtrain.step.position import Position
+from dtrain.step.precision import LossScaling
 
 
 class RunSummary(Observer):

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.batches import batch_size
 from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config, step_window
 from dtrain.errors import SetupError
@@ -27,6 +26,7 @@ from dtrain.observe.diagnosis import Job, Reading, diagnose, table
 from dtrain.observe.events import End, Observer, Run
 from dtrain.observe.logs import LOGGER
 from dtrain.observe.trace import traced_steps, write_trace
+from dtrain.step.batches import batch_size
 
 
 class RunTiming(Observer):

@@ -28,7 +28,7 @@ from dtrain.errors import OFFLOAD_NEEDS_GPUS, ConfigError
 from dtrain.parallel.compression import cast_dtype, register_compression
 from dtrain.parallel.hierarchical import HostGroups, hierarchical_hook
 from dtrain.parallel.materialize import materialize
-from dtrain.precision import compute_dtype
+from dtrain.step.precision import compute_dtype
 
 
 @dataclass(frozen=True)

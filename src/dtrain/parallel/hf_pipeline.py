@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.batches import DictFeed, label_counter
 from dtrain.errors import ConfigError
+from dtrain.step.batches import DictFeed, label_counter
 
 VERIFIED = ("llama", "qwen2", "gpt_neox")
 """Model types whose base forward is the plan's modules in order, each decoder layer given

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtrain.batches import DictFeed, Weight, pipeline_parts, weigh
 from dtrain.errors import SetupError
 from dtrain.parallel.relay import relay_forward
 from dtrain.parallel.split import Tie
-from dtrain.precision import LossScaling
+from dtrain.step.batches import DictFeed, Weight, pipeline_parts, weigh
+from dtrain.step.precision import LossScaling
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -248,9 +248,9 @@ def inexact_layouts(nproc: int, nnodes: int, half: str) -> list[Layout]:
 
 def check(layout: Layout, global_batch: int, model: object) -> str | None:
     """Why dtrain would refuse `layout` for this batch and model, or None if it runs."""
-    from dtrain.batches import check_batch
     from dtrain.parallel.split import layers_of, split_layers
     from dtrain.parallel.tensor_plan import plan_of
+    from dtrain.step.batches import check_batch
     from dtrain.strategies.specs import lookup
 
     try:

@@ -16,7 +16,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from dtrain.batches import (
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from dtrain.parallel.clip import clip_grad_norm
+from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.parallel.materialize import DeferredInit
+from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
+from dtrain.step.batches import (
     LabelCounter,
     LossFn,
     Weight,
@@ -25,14 +32,7 @@ from dtrain.batches import (
     share_weights,
     weigh,
 )
-from dtrain.config import Config
-from dtrain.errors import ConfigError
-from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from dtrain.parallel.clip import clip_grad_norm
-from dtrain.parallel.compile import compile_model, unwrap_compiled
-from dtrain.parallel.materialize import DeferredInit
-from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
-from dtrain.precision import LossScaling, compute_dtype
+from dtrain.step.precision import LossScaling, compute_dtype
 from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.placement import replicas
 from dtrain.topology import Topology
@@ -88,7 +88,7 @@ class Strategy(CheckpointState):
         the fields that differ."""
         self.labels: LabelCounter | None = None
         """How the model's own loss counts a batch's labels (a Hugging Face model's), so
-        that shares of a batch are weighted by their labels (batches.py)."""
+        that shares of a batch are weighted by their labels (step/batches.py)."""
 
     @property
     def name(self) -> str:
@@ -167,7 +167,7 @@ class Strategy(CheckpointState):
 
     def share_weights(self, shares: list[Any], loss_fn: LossFn | None) -> list[Weight]:
         """The weight of each of a step's micro-batches in this process, as
-        `dtrain.batches.share_weights` says: by samples, or by labels for a
+        `dtrain.step.batches.share_weights` says: by samples, or by labels for a
         model whose own loss averages over them, counted over every data-parallel process
         where the step averages their gradients."""
         placement = self.placement
@@ -177,7 +177,7 @@ class Strategy(CheckpointState):
     def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: Weight) -> torch.Tensor:
         """The step seam: forward and backward of one micro-batch of one process.
 
-        `batch` is on `placement.input_device`, in any of the shapes `dtrain.batches`
+        `batch` is on `placement.input_device`, in any of the shapes `dtrain.step.batches`
         describes (an ``(inputs, targets)`` pair, a dict, or a nesting of tensors); its mean
         loss is back-propagated times `scale` (its weight in the step, `share_weights`).
         Returns that weighted loss, detached, on the device: never read back here, so the

@@ -48,13 +48,13 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.optim import Optimizer
 
-from dtrain.batches import LossFn, Weight
 from dtrain.checkpoint.canonical import canonical_state_dict
 from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.broadcast import broadcast_model, broadcast_tensors
+from dtrain.step.batches import LossFn, Weight
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import StrategySpec
 from dtrain.topology import Topology

@@ -23,7 +23,6 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from dtrain.batches import LossFn, Weight, pipeline_parts
 from dtrain.checkpoint.format import expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
@@ -40,6 +39,7 @@ from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, layout_of, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.parallel.unused import UnusedWatch
+from dtrain.step.batches import LossFn, Weight, pipeline_parts
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.placement import Placement
@@ -203,7 +203,7 @@ class MeshStrategy(Strategy):
     def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: Weight) -> torch.Tensor:
         """Under a pipeline, the schedule runs every stage's forward and backward over
         the micro-batches (an (inputs, targets) pair with `loss_fn`, or a dict batch of a
-        model that computes its own loss: `dtrain.batches.pipeline_parts`); the batch's
+        model that computes its own loss: `dtrain.step.batches.pipeline_parts`); the batch's
         loss is averaged over the dp replicas, so a non-finite loss on any of them is
         seen by all."""
         pipeline = self.pipeline

@@ -20,13 +20,21 @@ from torch import nn
 from torch.nn.parallel import parallel_apply
 from torch.optim import Optimizer
 
-from dtrain.batches import LabelCounter, Weight, batch_size, share_weights, split, to_device, weigh
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
+from dtrain.step.batches import (
+    LabelCounter,
+    Weight,
+    batch_size,
+    share_weights,
+    split,
+    to_device,
+    weigh,
+)
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import StrategySpec, tower_count
 from dtrain.topology import Topology, use_gpus

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from dtrain.batches import LossFn, Weight
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.observe.logs import LOGGER
@@ -32,6 +31,7 @@ from dtrain.parallel.broadcast import broadcast_tensors
 from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
+from dtrain.step.batches import LossFn, Weight
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.ps import sharding, state_shards
 from dtrain.strategies.ps.client import Client

@@ -25,7 +25,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
 from dtrain.errors import ConfigError, SetupError
-from dtrain.optimizers import needs_closure
+from dtrain.step.optimizers import needs_closure
 
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 """The dtype each mixed ``--precision`` computes in (master weights stay float32)."""
