@@ -36,9 +36,9 @@ from torch import nn
 import dtrain
 from dtrain.config import Config
 from dtrain.models import build
+from dtrain.process.topology import init_process_group
 from dtrain.strategies.ps import serving
 from dtrain.strategies.specs import lookup
-from dtrain.topology import init_process_group
 
 
 def role(options: dict[str, Any]) -> Any:

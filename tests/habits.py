@@ -25,9 +25,9 @@ from torch import nn
 import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
+from dtrain.process.topology import init_process_group
 from dtrain.strategies.ps import serving
 from dtrain.strategies.specs import lookup
-from dtrain.topology import init_process_group
 
 VOCAB, DIM, CONTEXT, BATCH, STEPS = 32, 16, 4, 12, 4
 SIDE = {"on": False}

@@ -27,18 +27,17 @@ PACKAGE = "__init__.py"
 
 # Bottom to top: a unit may import units of its own layer or of the layers below.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"errors.py", "advice.py", "command_names.py", "requirements.py"}),
+    ("leaves", {"errors.py", "advice.py", "command_names.py"}),
     (
         "foundations",
         {
-            "config.py", "config_file.py", "collectives.py", "step/", "lr.py", "data.py",
-            "streams.py", "teardown.py",
-            "topology.py", "models/", "datasets/", "tasks.py", "config_rules/", "resumable.py",
+            "config.py", "config_file.py", "process/", "step/", "lr.py", "data.py",
+            "streams.py", "models/", "datasets/", "tasks.py", "config_rules/", "resumable.py",
         },
     ),
     (
         "measurement and files",
-        {"observe/", "checkpoint/", "rng.py", "shard_files.py", "shard_share.py", "shard_write.py"},
+        {"observe/", "checkpoint/", "shard_files.py", "shard_share.py", "shard_write.py"},
     ),
     ("parallel core", {"parallel/"}),
     ("strategies", {"strategies/"}),
@@ -322,13 +321,13 @@ PRODUCT_DOORS = {
     "horovod/": PUBLIC
     | {
         "dtrain.advice",
-        "dtrain.topology",
+        "dtrain.process.topology",
         "dtrain.launch.bootstrap",
         "dtrain.launch.hosts",
         "dtrain.launch.runner",
         "dtrain.observe.trace",
         "dtrain.parallel.sync_batchnorm",
-        "dtrain.teardown",
+        "dtrain.process.teardown",
     },
     "plan/": PUBLIC
     | {

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from dtrain.config import Config
+from dtrain.process.topology import Topology
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import lookup
-from dtrain.topology import Topology
 
 TWO = Topology(rank=0, world_size=2, local_rank=0, local_world_size=2,
                device=torch.device("cpu"), backend="gloo")  # fmt: skip

@@ -17,8 +17,8 @@ import dtrain
 from dtrain.config import Config
 from dtrain.engine import Engine
 from dtrain.errors import ConfigError
+from dtrain.process.topology import Topology
 from dtrain.strategies.specs import lookup
-from dtrain.topology import Topology
 
 BOUND = 0.05  # the tiny GPT's gradient norm is well above this at every step
 RUN = {"model_name": "gpt", "steps": 3, "optimizer_name": "sgd"}

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import dtrain
 from dtrain.errors import ConfigError
 from dtrain.observe.loggers import LOGGERS, check_loggers, open_loggers
-from dtrain.teardown import close_all
+from dtrain.process.teardown import close_all
 
 
 def csv_rows(directory: Path) -> list[tuple[int, str, float]]:

@@ -22,9 +22,9 @@ from torch.testing import assert_close
 from training import train
 
 from dtrain.config import Config
+from dtrain.process.topology import init_process_group
 from dtrain.strategies.ps import serving
 from dtrain.strategies.specs import lookup
-from dtrain.topology import init_process_group
 
 SERVER = "server"
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}

@@ -13,12 +13,12 @@ import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models import MODELS, build
+from dtrain.process.topology import Topology
 from dtrain.strategies.ps import protocol, sharding, state_shards
 from dtrain.strategies.ps.optimizer import GroupSettings, check_optimizer
 from dtrain.strategies.ps.storage import FlatParameters
 from dtrain.strategies.rebuild import hyperparameters
 from dtrain.strategies.specs import lookup
-from dtrain.topology import Topology
 
 
 def plan_for(model: torch.nn.Module, servers: int) -> sharding.Plan:

@@ -23,10 +23,10 @@ from dtrain.observe.progress import Throughput
 from dtrain.observe.run_report import RunReport
 from dtrain.observe.summary import RunSummary
 from dtrain.observe.timing import RunTiming
+from dtrain.process.topology import Topology
 from dtrain.step.position import Position
 from dtrain.step.precision import LossScaling
 from dtrain.strategies.base import Strategy
-from dtrain.topology import Topology
 
 
 def loss_scaling(config: Config, strategy: Strategy) -> LossScaling | None:

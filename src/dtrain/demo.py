@@ -25,8 +25,8 @@ from dtrain.lr import LRSchedule, scale_lr
 from dtrain.models import build
 from dtrain.models.gpt import GPT
 from dtrain.observe.flops import gpt_throughput
-from dtrain.observe.logs import LOGGER
 from dtrain.observe.metrics import format_table
+from dtrain.process.logs import LOGGER
 from dtrain.shard_files import ShardFiles
 from dtrain.shard_share import ShardShare
 from dtrain.step.batches import check_batch

@@ -27,16 +27,16 @@ from dtrain.evaluation import evaluate, shortfall
 from dtrain.feeding import DataSide, Feeder
 from dtrain.job_view import JobView
 from dtrain.observe.events import End, Run
-from dtrain.observe.logs import LOGGER
 from dtrain.observe.progress import Throughput
 from dtrain.parallel import build_record, materialize
 from dtrain.parallel.build_record import BuildRecord
+from dtrain.process.logs import LOGGER
+from dtrain.process.teardown import close_at_exit, forget
+from dtrain.process.topology import Topology
 from dtrain.step.batches import LossFn, batch_size, split, to_device
 from dtrain.step.optimizers import check_split, train_step_refusal
 from dtrain.step.position import Position
 from dtrain.strategies.base import Handover, Strategy
-from dtrain.teardown import close_at_exit, forget
-from dtrain.topology import Topology
 
 
 class Engine(JobView, DataSide, CheckpointSide):

@@ -14,18 +14,18 @@ from torch.utils.data import DataLoader, Dataset
 from dtrain.config import Config
 from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
 from dtrain.observe.events import Observer
-from dtrain.observe.logs import LOGGER
 from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.progress import Throughput, track
 from dtrain.observe.timing import RunTiming
+from dtrain.process.logs import LOGGER
+from dtrain.process.rng import drawn_seed
+from dtrain.process.topology import Topology
 from dtrain.resumable import ResumableLoader, Share
-from dtrain.rng import drawn_seed
 from dtrain.shard_files import ShardFiles
 from dtrain.shard_share import shard_share
 from dtrain.step.position import Position
 from dtrain.strategies.base import Strategy
 from dtrain.streams import StreamShare, as_is, is_stream, stream_share
-from dtrain.topology import Topology
 
 
 class Feeder:

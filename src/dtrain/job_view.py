@@ -12,12 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.collectives import barrier
 from dtrain.config import Config
-from dtrain.observe.logs import log_to_file
+from dtrain.process.collectives import barrier
+from dtrain.process.logs import log_to_file
+from dtrain.process.topology import Topology
 from dtrain.step.position import Position
 from dtrain.strategies.base import Strategy
-from dtrain.topology import Topology
 
 
 class JobView:

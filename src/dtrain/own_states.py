@@ -12,9 +12,9 @@ from torch.optim import Optimizer
 
 from dtrain.checkpoint import rank_states
 from dtrain.checkpoint.sharded import Part
-from dtrain.collectives import gather_to_main, rank_in
-from dtrain.observe.logs import LOGGER
 from dtrain.parallel.compression import powersgd_of
+from dtrain.process.collectives import gather_to_main, rank_in
+from dtrain.process.logs import LOGGER
 from dtrain.strategies.base import Strategy
 
 

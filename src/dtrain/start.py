@@ -10,9 +10,9 @@ import torch
 from dtrain.config import Config
 from dtrain.engine import Engine
 from dtrain.errors import ConfigError
-from dtrain.rng import initial_seeds, settle_seed
+from dtrain.process.rng import initial_seeds, settle_seed
+from dtrain.process.topology import init_process_group
 from dtrain.strategies.specs import StrategySpec, lookup
-from dtrain.topology import init_process_group
 
 
 def init(strategy: str | None = None, **options: Any) -> Engine:

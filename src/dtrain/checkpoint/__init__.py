@@ -1,7 +1,6 @@
 """Portable checkpoints: directories that load under every strategy and world size,
 consolidated (one safetensors file of the whole model) or sharded (one part per rank)."""
 
-from dtrain import requirements  # noqa: F401 - refuses too old a torch before it is used
 from dtrain.checkpoint.directory import find_latest, latest_intact, prune, step_path
 from dtrain.checkpoint.format import (
     FORMAT,
@@ -13,6 +12,7 @@ from dtrain.checkpoint.format import (
     read_pt,
     write,
 )
+from dtrain.process import requirements  # noqa: F401 - refuses too old a torch before it is used
 
 __all__ = [
     "FORMAT",

@@ -34,8 +34,8 @@ from dtrain.checkpoint.flat_optimizer import flatten
 from dtrain.checkpoint.format import SHARDED_FORMAT, TRAINER_FILE, write_manifest
 from dtrain.checkpoint.optimizer_state import state_by_name
 from dtrain.checkpoint.shared import decided_by_main
-from dtrain.collectives import gather_objects, rank_in
 from dtrain.errors import CheckpointError
+from dtrain.process.collectives import gather_objects, rank_in
 
 if TYPE_CHECKING:
     from collections.abc import Callable

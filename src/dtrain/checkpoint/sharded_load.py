@@ -44,8 +44,8 @@ from dtrain.checkpoint.flat_optimizer import (
 )
 from dtrain.checkpoint.format import check_fit, expected_shapes
 from dtrain.checkpoint.optimizer_state import load_by_name, parameter_names, state_by_name
-from dtrain.collectives import gather_objects
 from dtrain.errors import CheckpointError, DamagedCheckpointError
+from dtrain.process.collectives import gather_objects
 
 if TYPE_CHECKING:
     from dtrain.strategies.base import Strategy

@@ -21,7 +21,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtrain import teardown
 from dtrain.config import Config
 from dtrain.horovod import basics, timeline
 from dtrain.horovod import channel as control
@@ -31,7 +30,8 @@ from dtrain.horovod.errors import HorovodUsageError, UnsupportedError
 from dtrain.horovod.execute import Executor
 from dtrain.horovod.negotiation import Negotiation
 from dtrain.horovod.process_sets import ProcessSet, Registry, dynamic_requested, setup
-from dtrain.topology import Topology, init_process_group
+from dtrain.process import teardown
+from dtrain.process.topology import Topology, init_process_group
 
 FUSION_VAR = "HOROVOD_FUSION_THRESHOLD"
 STALL_WARN_VAR = "HOROVOD_STALL_CHECK_TIME_SECONDS"

@@ -29,8 +29,8 @@ from dtrain.config import Config
 from dtrain.errors import DtrainError
 from dtrain.launch.lifeline import die_with_launcher
 from dtrain.launch.stacks import dump_on_stop, mark_finished
+from dtrain.process.teardown import exit_now
 from dtrain.strategies.specs import lookup
-from dtrain.teardown import exit_now
 
 _HIDDEN = (runpy.__file__, "<frozen runpy>", __file__)
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn, TextIO
 
-from dtrain import teardown
 from dtrain.launch.lifeline import LAUNCHER_PID, die_with_launcher
+from dtrain.process import teardown
 
 GRACE_S = 5.0
 """Seconds a rank has to end after SIGTERM before it gets SIGKILL."""

@@ -19,7 +19,7 @@ import threading
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import DtrainError, exit_report
 from dtrain.launch.quiet import import_quietly
-from dtrain.teardown import exit_now
+from dtrain.process.teardown import exit_now
 
 RANK_PREFIX_VAR = "DTRAIN_RANK_PREFIX"
 """Set on hosts started over ssh: the agent prefixes each worker's lines with its rank."""

@@ -52,8 +52,8 @@ from dtrain.launch.stacks import (
     stopped_workers_continued,
 )
 from dtrain.launch.watch import rendezvous_host_watched
+from dtrain.process.topology import mask_devices, use_gpus
 from dtrain.strategies.specs import lookup
-from dtrain.topology import mask_devices, use_gpus
 
 
 @dataclass(frozen=True)

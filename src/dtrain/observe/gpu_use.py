@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.collectives import gather_to_main
 from dtrain.observe.events import End, Observer, Run
-from dtrain.observe.logs import LOGGER
+from dtrain.process.collectives import gather_to_main
+from dtrain.process.logs import LOGGER
 
 SAMPLE_S = 0.5
 """Seconds between two samples of the GPUs' utilisation (nvidia-smi's own period is 1/6 s

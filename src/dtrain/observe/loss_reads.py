@@ -13,11 +13,11 @@ from dtrain import advice
 from dtrain.errors import NonFiniteLossError
 from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.events import End, Observer, Run
-from dtrain.observe.logs import LOGGER
 from dtrain.observe.loss import LossWatch
 from dtrain.observe.loss_jump import LossCourse
 from dtrain.observe.progress import Throughput
 from dtrain.observe.run_report import RunReport
+from dtrain.process.logs import LOGGER
 
 
 class LossReads(Observer):

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from dtrain.collectives import gather_objects
 from dtrain.observe.events import End, Observer, Run
 from dtrain.observe.metrics import format_memory
+from dtrain.process.collectives import gather_objects
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

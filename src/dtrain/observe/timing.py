@@ -17,15 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.collectives import barrier, gather_objects
 from dtrain.config import Config, step_window
 from dtrain.errors import SetupError
 from dtrain.observe.breakdown import StepTimer
 from dtrain.observe.clock import clock_for
 from dtrain.observe.diagnosis import Job, Reading, diagnose, table
 from dtrain.observe.events import End, Observer, Run
-from dtrain.observe.logs import LOGGER
 from dtrain.observe.trace import traced_steps, write_trace
+from dtrain.process.collectives import barrier, gather_objects
+from dtrain.process.logs import LOGGER
 from dtrain.step.batches import batch_size
 
 

@@ -46,7 +46,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrain.errors import SetupError
-from dtrain.observe.logs import LOGGER
 from dtrain.parallel.build_record import (
     BuildRecord,
     InitCall,
@@ -57,6 +56,7 @@ from dtrain.parallel.build_record import (
     layout,
     own_tensors,
 )
+from dtrain.process.logs import LOGGER
 
 INIT_RULE = (
     "give it a reset_parameters() method that sets all its own parameters and buffers (as "

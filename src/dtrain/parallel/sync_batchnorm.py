@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: N812 - torch's usual alias
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dtrain.observe.logs import LOGGER
+from dtrain.process.logs import LOGGER
 
 
 class Exchange(Protocol):

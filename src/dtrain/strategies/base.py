@@ -23,6 +23,7 @@ from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.materialize import DeferredInit
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
+from dtrain.process.topology import Topology
 from dtrain.step.batches import (
     LabelCounter,
     LossFn,
@@ -35,7 +36,6 @@ from dtrain.step.batches import (
 from dtrain.step.precision import LossScaling, compute_dtype
 from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.placement import replicas
-from dtrain.topology import Topology
 
 if TYPE_CHECKING:
     from dtrain.strategies.specs import StrategySpec

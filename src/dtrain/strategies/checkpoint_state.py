@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
-from dtrain.topology import Topology
+from dtrain.process.topology import Topology
 
 
 class _Holder(Protocol):

@@ -54,10 +54,10 @@ from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.broadcast import broadcast_model, broadcast_tensors
+from dtrain.process.topology import Topology
 from dtrain.step.batches import LossFn, Weight
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import StrategySpec
-from dtrain.topology import Topology
 
 DEFAULT_SYNC_EVERY = 8
 """Optimizer steps between two syncs without --sync-every."""

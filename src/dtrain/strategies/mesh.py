@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 from dtrain.checkpoint.format import expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
-from dtrain.observe.logs import LOGGER
 from dtrain.parallel.broadcast import broadcast_model
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import unwrap_compiled
@@ -39,13 +38,14 @@ from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.split import Stage, held_names, layout_of, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.parallel.unused import UnusedWatch
+from dtrain.process.logs import LOGGER
+from dtrain.process.topology import Topology
 from dtrain.step.batches import LossFn, Weight, pipeline_parts
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.placement import Placement
 from dtrain.strategies.rebuild import group_names, repoint
 from dtrain.strategies.specs import MeshSpec, StrategySpec
-from dtrain.topology import Topology
 
 
 class MeshStrategy(Strategy):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dtrain.topology import Topology
+from dtrain.process.topology import Topology
 
 
 @dataclass(frozen=True)

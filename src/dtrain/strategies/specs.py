@@ -30,8 +30,8 @@ from dtrain.parallel.degrees import Degrees, check_schedule, degrees_for, microb
 from dtrain.strategies.ps.roles import Roles
 
 if TYPE_CHECKING:
+    from dtrain.process.topology import Topology
     from dtrain.strategies.base import Strategy
-    from dtrain.topology import Topology
 
 _REGISTRY: dict[str, StrategySpec] = {}
 
@@ -97,7 +97,7 @@ class StrategySpec:
 
     def detect_topology(self, config: Config) -> Topology:
         """This process's topology (a strategy may place some roles on the CPU)."""
-        from dtrain.topology import detect  # torch: only the processes that train need it
+        from dtrain.process.topology import detect  # torch: only the processes that train need it
 
         return detect(config)
 
@@ -130,7 +130,7 @@ class StrategySpec:
 
 def tower_count(config: Config) -> int:
     """The towers `config` runs: --towers, else one per visible GPU, or 2 on the CPU."""
-    from dtrain.topology import use_gpus  # torch: asked only when towers are laid out
+    from dtrain.process.topology import use_gpus  # torch: asked only when towers are laid out
 
     if not use_gpus(config):
         return config.towers or 2

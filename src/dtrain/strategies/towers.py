@@ -26,6 +26,7 @@ from dtrain.parallel.activation_checkpointing import apply_activation_checkpoint
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
+from dtrain.process.topology import Topology, use_gpus
 from dtrain.step.batches import (
     LabelCounter,
     Weight,
@@ -37,7 +38,6 @@ from dtrain.step.batches import (
 )
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.specs import StrategySpec, tower_count
-from dtrain.topology import Topology, use_gpus
 
 
 def tower_devices(config: Config) -> tuple[list[torch.device], torch.device]:

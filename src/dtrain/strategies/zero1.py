@@ -18,11 +18,11 @@ from torch.optim import Optimizer
 from dtrain.checkpoint.format import check_fit, expected_shapes
 from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
+from dtrain.process.topology import Topology
 from dtrain.strategies.checkpoint_state import CheckpointState
 from dtrain.strategies.mesh import MeshStrategy
 from dtrain.strategies.rebuild import NOT_FRESH, constructor_kwargs, has_stepped, hyperparameters
 from dtrain.strategies.specs import StrategySpec
-from dtrain.topology import Topology
 
 
 class Zero1(MeshStrategy):

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from dtrain.config import Config
-from dtrain.observe.logs import LOGGER
+from dtrain.process.logs import LOGGER
 from dtrain.strategies.ps import protocol
 from dtrain.strategies.ps.handshake import Start
 from dtrain.strategies.ps.optimizer import GroupSettings

@@ -9,11 +9,11 @@ import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.rng import initial_seeds
+from dtrain.process.rng import initial_seeds
+from dtrain.process.topology import Topology, detect, init_process_group
 from dtrain.strategies.ps.handshake import handshake
 from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.ps.server import Server
-from dtrain.topology import Topology, detect, init_process_group
 
 
 def topology(config: Config, server: bool) -> Topology:

@@ -25,12 +25,13 @@ from torch.optim import Optimizer
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.observe.logs import LOGGER
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.broadcast import broadcast_tensors
 from dtrain.parallel.clip import global_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
+from dtrain.process.logs import LOGGER
+from dtrain.process.topology import Topology
 from dtrain.step.batches import LossFn, Weight
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.ps import sharding, state_shards
@@ -40,7 +41,6 @@ from dtrain.strategies.ps.optimizer import GroupSettings, WorkerOptimizer, check
 from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.ps.storage import FlatParameters
 from dtrain.strategies.specs import NO_BACKUP_CLIPPING, StrategySpec
-from dtrain.topology import Topology
 
 
 class ParameterServer(Strategy):

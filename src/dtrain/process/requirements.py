@@ -3,7 +3,7 @@
 dtrain composes recent torch.distributed pieces (FSDP2 `fully_shard`, DTensor tensor
 parallel, `torch.distributed.pipelining`, DeviceMesh); on an older torch they fail deep
 inside torch with messages that do not say why. This says why, once, before anything runs:
-topology.py (which every strategy, the Engine, `dtrain.init` and both launchers import)
+process/topology.py (which every strategy, the Engine, `dtrain.init` and both launchers import)
 and the checkpoint package import it. `import dtrain` alone imports no torch, so that
 `dtrain --help` answers at once.
 

@@ -13,9 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtrain import requirements  # noqa: F401 - refuses too old a torch before it is used
 from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.process import requirements  # noqa: F401 - refuses too old a torch before it is used
 
 
 @dataclass(frozen=True)

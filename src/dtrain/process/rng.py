@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dtrain.collectives import gather_objects
-from dtrain.observe.logs import LOGGER
+from dtrain.process.collectives import gather_objects
+from dtrain.process.logs import LOGGER
 
 
 def seed_everything(seed: int) -> None:
