@@ -18,7 +18,8 @@ from training import finish
 
 import dtrain
 from dtrain.parallel.schedule import untouched
-from dtrain.parallel.split import Stage, check_stages, layers_of, layout_of, split_layers
+from dtrain.parallel.split import Stage, layers_of, layout_of, split_layers
+from dtrain.parallel.stage_checks import check_stages
 
 VOCAB, DIM, CONTEXT = 32, 8, 6
 SPLIT = ["transformer.h.1"]  # embeddings and one block, then a block and the head

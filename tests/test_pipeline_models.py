@@ -26,7 +26,8 @@ import dtrain
 from dtrain.errors import ConfigError, SetupError
 from dtrain.parallel.hf_pipeline import hf_feed
 from dtrain.parallel.pipeline import PipelineModel
-from dtrain.parallel.split import Stage, check_stages, layers_of, layout_of, split_layers
+from dtrain.parallel.split import Stage, layers_of, layout_of, split_layers
+from dtrain.parallel.stage_checks import check_stages
 from dtrain.step.batches import pipeline_parts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -37,7 +37,6 @@ the replay starts from the generator's state at the first step.
 from __future__ import annotations
 
 import contextlib
-import dis
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -49,15 +48,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from dtrain.parallel.call_reading import call_arguments, rebound_argument, writes_in_place
+
 INIT_METHODS = frozenset({"reset_parameters", "init_weights"})
 """The methods by which a module initialises its own tensors (replayed as calls)."""
-NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
-"""In-place by name, but they set no values."""
-IN_PLACE_OPERATORS = frozenset(
-    f"__i{op}__"
-    for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or")
-) | {"__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
-"""The operators that write their left operand (``x += y``, ``x[i] = y``)."""
 RANDOM_FACTORIES = frozenset(
     {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson"}
     | {"rand_like", "randn_like", "randint_like"}
@@ -207,44 +201,6 @@ class BuildRecord:
     from it, or a seed was set): the steps after cannot draw as the whole build does."""
 
 
-def _writes(name: str) -> bool:
-    """Whether a torch function of this name writes its first argument in place."""
-    if name.startswith("__"):
-        return name in IN_PLACE_OPERATORS
-    return name.endswith("_") and name not in NOT_WRITES
-
-
-def _arguments(frame: FrameType, first: int = 1) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments, from the `first` (1: after ``self``), that the function running in
-    `frame` was called with (as its locals hold them now)."""
-    code, local = frame.f_code, frame.f_locals
-    names = code.co_varnames
-    positional = code.co_argcount
-    keywords = names[positional : positional + code.co_kwonlyargcount]
-    args = tuple(local[n] for n in names[first:positional])
-    kwargs = {n: local[n] for n in keywords}
-    rest = positional + code.co_kwonlyargcount
-    if code.co_flags & inspect.CO_VARARGS:
-        args += tuple(local[names[rest]])
-        rest += 1
-    if code.co_flags & inspect.CO_VARKEYWORDS:
-        kwargs.update(local[names[rest]])
-    return args, kwargs
-
-
-@functools.cache
-def _rebinds_argument(code: Any) -> str | None:
-    """An argument (after ``self``) the function of `code` assigns or deletes, if any: its
-    arguments are read at its first torch call, too late to see the value it was given."""
-    count = code.co_argcount + code.co_kwonlyargcount
-    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
-    names = set(code.co_varnames[1:count])
-    stores = (
-        i.argval for i in dis.get_instructions(code) if i.opname in {"STORE_FAST", "DELETE_FAST"}
-    )
-    return next((n for n in stores if n in names), None)
-
-
 class _Recorder(TorchFunctionMode):
     """Keeps the steps of a build in `record` (see the module's docstring). Frames that were
     on the stack when recording started (the script's own, which may sit in a method of the
@@ -307,7 +263,7 @@ class _Recorder(TorchFunctionMode):
             self.aliases[id(result)] = (result, self._base(target))
         elif isinstance(kwargs.get("out"), torch.Tensor) and kwargs["out"].is_meta:
             self._refuse(f"{name} with out=")
-        elif _writes(name):
+        elif writes_in_place(name):
             self._in_place(func, name, target, args, kwargs)
 
     def _in_call(self, frame: FrameType, module: nn.Module) -> None:
@@ -315,10 +271,10 @@ class _Recorder(TorchFunctionMode):
             return
         self.call = frame  # held until the next step: its id is not reused meanwhile
         method = frame.f_code.co_name
-        args, kwargs = _arguments(frame)
+        args, kwargs = call_arguments(frame)
         if any(isinstance(v, torch.Tensor) and v.is_meta for v in (*args, *kwargs.values())):
             self._refuse(f"{method}() given a tensor of the build")
-        rebound = _rebinds_argument(frame.f_code)
+        rebound = rebound_argument(frame.f_code)
         if rebound is not None:
             self._refuse(f"{method}() assigns its argument '{rebound}'")
         call = InitCall.of(module, method, *args, **kwargs)
@@ -334,7 +290,7 @@ class _Recorder(TorchFunctionMode):
         if frame is not self.call:
             self.call = frame
             function = INIT_FUNCTIONS[frame.f_code]
-            args, kwargs = _arguments(frame, first=0)
+            args, kwargs = call_arguments(frame, first=0)
             if any(isinstance(v, torch.Generator) for v in (*args, *kwargs.values())):
                 self._refuse(f"{function.__name__} with a generator of its own")
             self._in_place(function, function.__name__, tensor, args, kwargs)

@@ -41,14 +41,13 @@ from dtrain.parallel.materialize import materialize
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
 from dtrain.parallel.split import (
     Stage,
-    Tie,
-    check_stages,
     from_pp_plan,
     joined,
     layers_of,
     layout_of,
     split_layers,
 )
+from dtrain.parallel.stage_checks import Tie, check_stages
 from dtrain.parallel.tensor_plan import apply_tp, plan_of
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dtrain.errors import SetupError
 from dtrain.parallel.relay import relay_forward
-from dtrain.parallel.split import Tie
+from dtrain.parallel.stage_checks import Tie
 from dtrain.step.batches import DictFeed, Weight, pipeline_parts, weigh
 from dtrain.step.precision import LossScaling
 
