@@ -31,8 +31,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "foundations",
         {
-            "config.py", "config_file.py", "process/", "step/", "lr.py", "data.py",
-            "streams.py", "models/", "datasets/", "tasks.py", "config_rules/", "resumable.py",
+            "config/", "process/", "step/", "lr.py", "data.py",
+            "streams.py", "models/", "datasets/", "tasks.py", "resumable.py",
         },
     ),
     (

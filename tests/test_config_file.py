@@ -11,7 +11,7 @@ from conftest import run_cli
 
 from dtrain import demo
 from dtrain.cli import build_parser, main
-from dtrain.config_file import parse_with_config
+from dtrain.config.file import parse_with_config
 from dtrain.errors import ConfigError
 from dtrain.topology_flags import config_from
 

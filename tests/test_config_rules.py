@@ -1,4 +1,4 @@
-"""Config's rules, one module per concern under dtrain.config_rules: each concern refuses
+"""Config's rules, one module per concern under dtrain.config.rules: each concern refuses
 its own options by name, the rules across concerns run after them, and the specs share
 the rules' flag lists instead of restating them."""
 
@@ -9,8 +9,8 @@ import pkgutil
 
 import pytest
 
-from dtrain import config_rules
 from dtrain.config import Config
+from dtrain.config import rules as config_rules
 from dtrain.errors import ConfigError
 from dtrain.strategies.specs import lookup
 

@@ -31,7 +31,7 @@ from dtrain.checkpoint import step_path
 from dtrain.checkpoint.convert import PLAIN_SUFFIXES
 from dtrain.cli_checks import check_run
 from dtrain.cli_parser import build_parser
-from dtrain.config_file import parse_with_config
+from dtrain.config.file import parse_with_config
 from dtrain.datasets import load_digits
 from dtrain.demo_checks import complete_args
 from dtrain.demo_flags import check_training_args

@@ -47,7 +47,7 @@ from dtrain.checkpoint.format import (
 from dtrain.cli_checks import check_run
 from dtrain.cli_parser import build_parser
 from dtrain.config import Config
-from dtrain.config_file import parse_with_config
+from dtrain.config.file import parse_with_config
 from dtrain.demo_flags import check_training_args
 from dtrain.errors import DtrainError, NonFiniteLossError
 from dtrain.launch.failures import format_failures

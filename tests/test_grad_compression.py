@@ -251,7 +251,7 @@ def test_strategies_it_cannot_compress_are_refused(options: dict, message: str) 
 
 def test_the_flag_and_the_toml_key_reach_config(tmp_path: Path) -> None:
     from dtrain.cli import build_parser
-    from dtrain.config_file import parse_with_config
+    from dtrain.config.file import parse_with_config
     from dtrain.topology_flags import config_from
 
     path = tmp_path / "job.toml"

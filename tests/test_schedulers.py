@@ -9,7 +9,7 @@ import pytest
 
 from dtrain.cli import build_parser
 from dtrain.config import Config
-from dtrain.config_file import parse_with_config
+from dtrain.config.file import parse_with_config
 from dtrain.errors import ConfigError
 from dtrain.launch.schedulers import Placement, detect, expand_nodelist, slurm_port
 from dtrain.topology_flags import config_from

@@ -16,7 +16,7 @@ from dtrain.advice import running_as
 from dtrain.cli_checks import check_demo, check_run
 from dtrain.cli_parser import build_parser
 from dtrain.config import Config
-from dtrain.config_file import parse_with_config
+from dtrain.config.file import parse_with_config
 from dtrain.demo_flags import check_training_args
 from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.launch.quiet import import_quietly

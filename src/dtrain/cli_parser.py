@@ -15,7 +15,7 @@ from pathlib import Path
 from dtrain import __version__
 from dtrain.bench.bench_flags import add_args as add_bench_args
 from dtrain.bench.comm_flags import add_args as add_comm_args
-from dtrain.config_file import add_config_arg, chosen_parser, parser_actions
+from dtrain.config.file import add_config_arg, chosen_parser, parser_actions
 from dtrain.demo_flags import add_training_args
 from dtrain.errors import ConfigError
 from dtrain.plan.flags import add_args as add_plan_args

@@ -17,7 +17,7 @@ import torch
 
 import dtrain
 from dtrain import checkpoint
-from dtrain.config_file import add_config_arg, parse_with_config
+from dtrain.config.file import add_config_arg, parse_with_config
 from dtrain.demo_checks import complete_args
 from dtrain.demo_flags import add_training_args
 from dtrain.errors import ConfigError

@@ -12,7 +12,7 @@ from dataclasses import fields
 
 from dtrain.command_names import STRATEGIES, check_strategy
 from dtrain.config import Config
-from dtrain.config_rules.choices import flag_of
+from dtrain.config.rules.choices import flag_of
 from dtrain.launch import schedulers
 
 SCHEDULED = ("nnodes", "node_rank", "master", "nproc")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from dtrain.command_names import unknown_strategy
 from dtrain.config import Config
-from dtrain.config_rules.parallelism import pipeline_flags
+from dtrain.config.rules.parallelism import pipeline_flags
 from dtrain.errors import ConfigError
 from dtrain.parallel.degrees import Degrees, check_schedule, degrees_for, microbatches
 from dtrain.strategies.ps.roles import Roles

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 from dtrain.command_names import OUTER_OPTIMIZERS
-from dtrain.config_rules.choices import given, one_of
+from dtrain.config.rules.choices import given, one_of
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtrain.command_names import CHECKPOINT_FORMATS, LOGGERS
-from dtrain.config_rules.choices import at_least, one_of
+from dtrain.config.rules.choices import at_least, one_of
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:

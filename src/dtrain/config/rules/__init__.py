@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtrain.config_rules import (
+from dtrain.config.rules import (
     artifacts,
     computation,
     cross,

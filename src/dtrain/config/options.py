@@ -13,28 +13,9 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-from dtrain import config_rules
-from dtrain.config_rules.artifacts import step_window
-from dtrain.config_rules.launching import MAX_TIMEOUT_S, default_strategy
-from dtrain.config_rules.slow_links import (
-    COMPRESSES_CAST,
-    COMPRESSES_POWERSGD,
-    grad_compression,
-    training_of,
-)
+from dtrain.config import rules
+from dtrain.config.rules.launching import default_strategy
 from dtrain.errors import ConfigError
-
-__all__ = [
-    "COMPRESSES_CAST",
-    "COMPRESSES_POWERSGD",
-    "ENV_VAR",
-    "MAX_TIMEOUT_S",
-    "Config",
-    "grad_compression",
-    "option",
-    "step_window",
-    "training_of",
-]
 
 ENV_VAR = "DTRAIN_CONFIG"
 
@@ -285,10 +266,10 @@ class Config:
     def validate(self) -> None:
         """Check the values that do not depend on the machine; raise ConfigError if wrong.
         An unset strategy becomes ddp with more than one process (or any -H/--hostfile
-        job), else single. The rules live in `dtrain.config_rules`, one module per concern."""
+        job), else single. The rules live in `dtrain.config.rules`, one module per concern."""
         if self.strategy is None:
             self.strategy = default_strategy(self)
-        config_rules.check(self)
+        rules.check(self)
 
     def replace(self, **changes: object) -> Config:
         """Return a copy with `changes` applied, rejecting unknown option names."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtrain.command_names import PS_MODES
-from dtrain.config_rules.choices import given
+from dtrain.config.rules.choices import given
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:

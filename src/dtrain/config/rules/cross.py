@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtrain.config_rules.slow_links import COMPRESSES_CAST, COMPRESSES_POWERSGD, grad_compression
+from dtrain.config.rules.slow_links import COMPRESSES_CAST, COMPRESSES_POWERSGD, grad_compression
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtrain.config_rules.choices import at_least
+from dtrain.config.rules.choices import at_least
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
