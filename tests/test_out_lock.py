@@ -109,6 +109,20 @@ def test_another_hosts_lock_is_refused_with_the_file_to_delete(tmp_path: Path) -
     assert out_lock._read(path) == other
 
 
+def test_the_machines_of_one_job_share_its_lock(tmp_path: Path) -> None:
+    """An elastic job's machines each launch as node 0 into one --out (a shared file
+    system): the lock of its first machine is the job's; another job is refused."""
+    first = Owner("gpu-node-7", 4242, "2020-01-01 00:00:00 UTC", 12345, job="node-a:29500")
+    path = write_lock(tmp_path, first)
+    with take(tmp_path, job="node-a:29500") as shared:
+        assert shared.shared and shared.owner == first
+    assert out_lock._read(path) == first  # left to the machine that took it
+    with pytest.raises(ConfigError, match="on host gpu-node-7"):
+        take(tmp_path, job="node-b:29500")
+    with pytest.raises(ConfigError, match="on host gpu-node-7"):
+        take(tmp_path)
+
+
 def test_an_unreadable_lock_is_refused(tmp_path: Path) -> None:
     path = tmp_path / LOCK_NAME
     path.write_text("")

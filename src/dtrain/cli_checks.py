@@ -41,7 +41,9 @@ def check_demo(config: Config, args: argparse.Namespace) -> AbstractContextManag
     check_batch(args.global_batch_size, dp_size, splits, config.grad_accumulation)
     if config.node_rank == 0:
         _check_outputs(config, args.out)
-        return demo_checks.claim_out(args)
+        # The machines of an elastic job each take node rank 0 here; they share --out.
+        several = config.nnodes > 1 or config.min_nnodes is not None
+        return demo_checks.claim_out(args, config.master if several else None)
     return nullcontext()
 
 
@@ -145,7 +147,6 @@ def _fixed_path(spec: importlib.machinery.ModuleSpec) -> bool:
         return b"__path__" not in Path(spec.origin).read_bytes()
     except OSError:  # a built-in or frozen package
         return False
-
 
 
 def _check_outputs(config: Config, out: str | Path | None) -> None:

@@ -37,19 +37,22 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def claim_out(args: argparse.Namespace) -> out_lock.OutLock:
+def claim_out(args: argparse.Namespace, job: str | None = None) -> out_lock.OutLock:
     """Lock --out for this run, then refuse it if it holds an earlier run's checkpoints
     unless --resume continues it or --overwrite starts afresh (deleting them): mixing two
     runs there would let a later --resume pick up the wrong one. The lock comes first, so
     a run already training there is refused before anything is deleted. Called by the
     launcher, before any process starts; returns the lock, which the launcher holds until
-    the run ends."""
+    the run ends. The machines of one multi-machine `job` (its --master) share the lock;
+    the first to take it makes the checks."""
     root = args.out / "checkpoints"
     if args.resume and args.overwrite:
         raise ConfigError(
             "--resume continues the run in --out and --overwrite deletes it; pick one."
         )
-    lock = out_lock.take(args.out)
+    lock = out_lock.take(args.out, job)
+    if lock.shared:
+        return lock
     try:
         if args.resume or not checkpoint.find_latest(root):
             return lock

@@ -42,6 +42,9 @@ class Owner:
     pid: int
     started: str
     ticks: int | None
+    job: str | None = None
+    """The job it launches a part of, where several machines run one (its rendezvous
+    endpoint, --master): every machine of that job writes to the folder as one run."""
 
     def describe(self) -> str:
         """The owner in words, as messages name it."""
@@ -52,14 +55,16 @@ class OutLock:
     """A folder's lock, held by this process until :meth:`release` (or the end of a
     ``with`` block over it)."""
 
-    def __init__(self, path: Path, owner: Owner) -> None:
+    def __init__(self, path: Path, owner: Owner, shared: bool = False) -> None:
         self.path = path
         self.owner = owner
+        self.shared = shared
+        """True if another machine of this job holds the lock (`owner`): left to it."""
 
     def release(self) -> None:
         """Remove the lock if it still names this process (one deleted by hand and taken
         by another run meanwhile is that run's, and stays)."""
-        if _read(self.path) == self.owner:
+        if not self.shared and _read(self.path) == self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
@@ -70,30 +75,36 @@ class OutLock:
         self.release()
 
 
-def this_process() -> Owner:
-    """This process as a lock names it."""
+def this_process(job: str | None = None) -> Owner:
+    """This process, launching a part of `job` (None: a job of this machine alone), as a
+    lock names it."""
     return Owner(
         host=socket.gethostname(),
         pid=os.getpid(),
         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         ticks=_start_ticks(os.getpid()),
+        job=job,
     )
 
 
-def take(directory: Path) -> OutLock:
-    """Lock `directory` (created if missing) for this process; raise ConfigError naming
-    the run that holds it. A stale lock (its process gone from this host) is taken over
-    with a note on stderr naming its owner."""
+def take(directory: Path, job: str | None = None) -> OutLock:
+    """Lock `directory` (created if missing) for this process, launching a part of the
+    multi-machine `job` (its --master; None for a job of one machine); raise ConfigError
+    naming the run that holds it. A lock another machine of the same job holds is shared.
+    A stale lock (its process gone from this host) is taken over with a note on stderr
+    naming its owner."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
-    owner = this_process()
+    owner = this_process(job)
     for _ in range(ATTEMPTS):
         if _place(path, owner):
             return OutLock(path, owner)
         holder = _read(path)
         if holder is None:
             continue  # released between the two looks: try again
+        if job is not None and holder.job == job:
+            return OutLock(path, holder, shared=True)
         _refuse_unless_stale(directory, path, holder)
         if _remove_if_unchanged(path, holder):
             print(
@@ -150,7 +161,11 @@ def _read(path: Path) -> Owner | None:
     try:
         fields = json.loads(text)
         owner = Owner(
-            str(fields["host"]), int(fields["pid"]), str(fields["started"]), fields["ticks"]
+            str(fields["host"]),
+            int(fields["pid"]),
+            str(fields["started"]),
+            fields["ticks"],
+            fields.get("job"),
         )
     except (ValueError, TypeError, KeyError) as e:
         raise _unreadable(path, f"{type(e).__name__}: {e}") from None
