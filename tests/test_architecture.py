@@ -31,13 +31,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "foundations",
         {
-            "config/", "process/", "step/", "lr.py", "data.py",
-            "streams.py", "models/", "datasets/", "tasks.py", "resumable.py",
+            "config/", "process/", "step/", "lr.py", "models/", "datasets/", "tasks.py",
         },
     ),
     (
         "measurement and files",
-        {"observe/", "checkpoint/", "shard_files.py", "shard_share.py", "shard_write.py"},
+        {"observe/", "checkpoint/", "data/"},
     ),
     ("parallel core", {"parallel/"}),
     ("strategies", {"strategies/"}),
@@ -332,7 +331,7 @@ PRODUCT_DOORS = {
     "plan/": PUBLIC
     | {
         "dtrain.step.batches",
-        "dtrain.data",
+        "dtrain.data.sampler",
         "dtrain.models",
         "dtrain.command_names",
         "dtrain.tasks",

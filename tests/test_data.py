@@ -14,7 +14,7 @@ import torch
 from distributed import run_ranks
 
 import dtrain
-from dtrain.data import ShardedBatchSampler
+from dtrain.data.sampler import ShardedBatchSampler
 from dtrain.errors import ConfigError, SetupError
 from dtrain.feeding import Feeder
 from dtrain.observe.progress import Throughput

@@ -18,7 +18,7 @@ from distributed import run_ranks
 from torch.testing import assert_close
 
 import dtrain
-from dtrain.data import ShardedBatchSampler
+from dtrain.data.sampler import ShardedBatchSampler
 from dtrain.demo import parse_args
 
 

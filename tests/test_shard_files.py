@@ -21,12 +21,12 @@ from torch.testing import assert_close
 from training import finish
 
 import dtrain
+from dtrain.data.shard_files import ShardFiles
+from dtrain.data.shard_share import ShardShare
+from dtrain.data.shard_write import write_shards
 from dtrain.datasets import load_text
 from dtrain.demo import check_shards
 from dtrain.errors import ConfigError, SetupError
-from dtrain.shard_files import ShardFiles
-from dtrain.shard_share import ShardShare
-from dtrain.shard_write import write_shards
 from dtrain.step.position import Position
 
 SIZE = 48  # 2 partitions of 24 = shards of 5, 5, 5, 5, 4

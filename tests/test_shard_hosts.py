@@ -30,8 +30,8 @@ from training import finish
 
 import dtrain
 from dtrain.checkpoint import read_manifest, step_path
-from dtrain.shard_files import INDEX, ShardFiles
-from dtrain.shard_write import write_shards
+from dtrain.data.shard_files import INDEX, ShardFiles
+from dtrain.data.shard_write import write_shards
 
 SIZE = 48  # 2 partitions of 24: 4 steps an epoch at a global batch of 12
 GLOBAL_BATCH = 12

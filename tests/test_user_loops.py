@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 from training import finish
 
 import dtrain
-from dtrain.data import ShardedBatchSampler
+from dtrain.data.sampler import ShardedBatchSampler
 
 GLOBAL_BATCH = 8
 STEPS = 6

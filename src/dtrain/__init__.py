@@ -25,11 +25,11 @@ from dtrain.errors import (
 )
 
 if TYPE_CHECKING:
+    from dtrain.data.shard_files import ShardFiles
+    from dtrain.data.shard_write import write_shards
     from dtrain.engine import Engine
     from dtrain.launch.notebook import launch
     from dtrain.observe.events import End, Observer, Run
-    from dtrain.shard_files import ShardFiles
-    from dtrain.shard_write import write_shards
     from dtrain.start import init
     from dtrain.strategies.specs import available as available_strategies
 
@@ -40,11 +40,11 @@ _LAZY = {
     "Engine": ("dtrain.engine", "Engine"),
     "Observer": ("dtrain.observe.events", "Observer"),
     "Run": ("dtrain.observe.events", "Run"),
-    "ShardFiles": ("dtrain.shard_files", "ShardFiles"),
+    "ShardFiles": ("dtrain.data.shard_files", "ShardFiles"),
     "available_strategies": ("dtrain.strategies.specs", "available"),
     "init": ("dtrain.start", "init"),
     "launch": ("dtrain.launch.notebook", "launch"),
-    "write_shards": ("dtrain.shard_write", "write_shards"),
+    "write_shards": ("dtrain.data.shard_write", "write_shards"),
 }
 """The public names that import torch, loaded on first use: `dtrain --help` and the
 command line's errors import this package and must answer without torch."""

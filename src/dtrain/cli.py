@@ -105,8 +105,8 @@ def _bench(config: Config, argv: list[str]) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
+    from dtrain.data.shard_write import write_shards
     from dtrain.datasets import load_digits, load_text
-    from dtrain.shard_write import write_shards
 
     train = (load_digits if args.dataset == "digits" else load_text)()[0]
     out = write_shards(train, args.out, args.shard_size, args.partitions, args.format)

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_data_parser(sub: argparse._SubParsersAction) -> None:
-    """`dtrain data write`: a bundled data set as shard files (see dtrain.shard_files)."""
+    """`dtrain data write`: a bundled data set as shard files (see dtrain.data.shard_files)."""
     data = sub.add_parser("data", help="Prepare data: write shard files.")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     write = data_sub.add_parser(

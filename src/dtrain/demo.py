@@ -18,6 +18,8 @@ import torch
 import dtrain
 from dtrain import checkpoint
 from dtrain.config.file import add_config_arg, parse_with_config
+from dtrain.data.shard_files import ShardFiles
+from dtrain.data.shard_share import ShardShare
 from dtrain.demo_checks import complete_args
 from dtrain.demo_flags import add_training_args
 from dtrain.errors import ConfigError
@@ -27,8 +29,6 @@ from dtrain.models.gpt import GPT
 from dtrain.observe.flops import gpt_throughput
 from dtrain.observe.metrics import format_table
 from dtrain.process.logs import LOGGER
-from dtrain.shard_files import ShardFiles
-from dtrain.shard_share import ShardShare
 from dtrain.step.batches import check_batch
 from dtrain.tasks import TASKS, make_optimizer
 from dtrain.topology_flags import add_topology_args

@@ -1,7 +1,7 @@
 """The Engine's data side: loaders that give each data-parallel worker its share of every
-global batch (of a map-style dataset here, of a stream in `dtrain.streams`, of shard files
-in `dtrain.shard_files`) and resume mid-epoch after a load whatever loop reads them
-(`dtrain.resumable`), and the epochs `engine.progress` iterates with a progress bar."""
+global batch (of a map-style dataset here, of a stream in `dtrain.data.streams`, of shard files
+in `dtrain.data.shard_files`) and resume mid-epoch after a load whatever loop reads them
+(`dtrain.data.resumable`), and the epochs `engine.progress` iterates with a progress bar."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dtrain.config import Config
-from dtrain.data import ShardedBatchSampler, per_worker_batch, unsharded_warning
+from dtrain.data.resumable import ResumableLoader, Share
+from dtrain.data.sampler import ShardedBatchSampler, per_worker_batch, unsharded_warning
+from dtrain.data.shard_files import ShardFiles
+from dtrain.data.shard_share import shard_share
+from dtrain.data.streams import StreamShare, as_is, is_stream, stream_share
 from dtrain.observe.events import Observer
 from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.progress import Throughput, track
@@ -20,12 +24,8 @@ from dtrain.observe.timing import RunTiming
 from dtrain.process.logs import LOGGER
 from dtrain.process.rng import drawn_seed
 from dtrain.process.topology import Topology
-from dtrain.resumable import ResumableLoader, Share
-from dtrain.shard_files import ShardFiles
-from dtrain.shard_share import shard_share
 from dtrain.step.position import Position
 from dtrain.strategies.base import Strategy
-from dtrain.streams import StreamShare, as_is, is_stream, stream_share
 
 
 class Feeder:
@@ -207,7 +207,7 @@ class DataSide:
         records where it stands for `save`; after a load its next pass continues the
         checkpoint's epoch after the samples it had trained, whether it was made before
         or after the load (loop over epochs from `engine.epoch`; a chosen epoch the
-        checkpoint had finished reads nothing). See `dtrain.resumable`.
+        checkpoint had finished reads nothing). See `dtrain.data.resumable`.
 
         Args:
             dataset: a map-style dataset of (input, target) samples, or a stream (an
@@ -215,10 +215,10 @@ class DataSide:
                 and to worker (i % B) // b (b = B / dp_size); each worker, and each of its
                 DataLoader workers, reads the whole stream and keeps its own batches, so
                 every sample is trained once, whatever the number of workers (see
-                `dtrain.streams`). Or a `dtrain.ShardFiles`: shard files in P partitions,
+                `dtrain.data.streams`). Or a `dtrain.ShardFiles`: shard files in P partitions,
                 global batch t taking B/P samples of each partition's seeded order, so that
                 a worker opens only the files of its own partitions (see
-                `dtrain.shard_files`).
+                `dtrain.data.shard_files`).
             batch_size: samples per worker per step; the global batch is this times
                 `engine.dp_size`.
             global_batch_size: instead of `batch_size`, the samples of one step over all

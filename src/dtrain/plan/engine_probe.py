@@ -47,7 +47,7 @@ def dataset_of(work: Workload) -> Dataset:
 def endless_batches(work: Workload, batch: int) -> Iterator[object]:
     """Batches of `batch` samples loaded, epoch after epoch, with the loader
     `engine.dataloader` builds (a shuffling sharded batch sampler over the data set)."""
-    from dtrain.data import ShardedBatchSampler
+    from dtrain.data.sampler import ShardedBatchSampler
 
     dataset = dataset_of(work)
     size = len(dataset)  # type: ignore[arg-type]

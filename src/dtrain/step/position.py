@@ -18,7 +18,7 @@ from dtrain.errors import SetupError
 class Position:
     """The run's optimizer steps and data position, shared by the Engine (which counts
     steps and commits the batches they trained), the training loader (whose passes count
-    the batches they read, `dtrain.resumable`) and its checkpoints (which save and restore
+    the batches they read, `dtrain.data.resumable`) and its checkpoints (which save and restore
     them)."""
 
     step: int = 0

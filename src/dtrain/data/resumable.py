@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from dtrain.data import ShardedBatchSampler
+from dtrain.data.sampler import ShardedBatchSampler
+from dtrain.data.streams import StreamShare
 from dtrain.errors import SetupError
 from dtrain.step.position import Position, TrainingPass
-from dtrain.streams import StreamShare
 
 Share = ShardedBatchSampler | StreamShare
 """This worker's share of each global batch: the batch sampler of a map-style dataset, or

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torch.utils.data._utils import worker as _worker
 
-from dtrain.data import RankShare
+from dtrain.data.sampler import RankShare
 from dtrain.errors import ConfigError, SetupError
 
 _END = object()

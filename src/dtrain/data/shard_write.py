@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from dtrain.checkpoint.atomic import atomic_directory
+from dtrain.data.shard_files import FORMATS, INDEX
 from dtrain.errors import ConfigError
-from dtrain.shard_files import FORMATS, INDEX
 
 
 def write_shards(

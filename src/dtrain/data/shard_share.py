@@ -1,6 +1,6 @@
 """Shard files split over the data-parallel ranks: each rank's `ShardShare` yields its
 share of every global batch, opening only the files that hold it (the global order is
-described in `dtrain.shard_files`).
+described in `dtrain.data.shard_files`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
+from dtrain.data.shard_files import ShardFiles
+from dtrain.data.streams import StreamShare, refuse_reordering
 from dtrain.errors import ConfigError
-from dtrain.shard_files import ShardFiles
-from dtrain.streams import StreamShare, refuse_reordering
 
 
 class ShardShare(StreamShare):
