@@ -17,8 +17,8 @@ from dtrain.errors import ConfigError
 from dtrain.lr import scale_lr
 from dtrain.models import MODELS, build
 from dtrain.models.gpt import SIZES
+from dtrain.models.recipes import TASKS, make_optimizer
 from dtrain.strategies.specs import available, lookup
-from dtrain.tasks import TASKS, make_optimizer
 
 # Runs `dtrain.cli.main(argv)` and says, last, whether anything imported torch.
 PROBE = """

@@ -34,7 +34,7 @@ def test_schedule_warms_up_then_decays_to_zero() -> None:
 
 
 def test_a_batch_far_above_ten_samples_per_class_is_noted_for_the_demo() -> None:
-    from dtrain.tasks import DIGITS, TEXT
+    from dtrain.models.recipes import DIGITS, TEXT
 
     assert DIGITS.batch_note(64) is None and DIGITS.batch_note(100) is None
     note = DIGITS.batch_note(512)

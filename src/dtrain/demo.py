@@ -1,5 +1,5 @@
 """`dtrain demo`: train a bundled model on real data that ships with scikit-learn: a
-classifier on the handwritten digits, or a GPT on English text (see `dtrain.tasks`).
+classifier on the handwritten digits, or a GPT on English text (see `dtrain.models.recipes`).
 
 Runs as an ordinary dtrain user script (``python -m dtrain.demo`` under the launcher),
 so it exercises exactly the path a user's own script takes.
@@ -26,11 +26,11 @@ from dtrain.errors import ConfigError
 from dtrain.lr import LRSchedule, scale_lr
 from dtrain.models import build
 from dtrain.models.gpt import GPT
+from dtrain.models.recipes import TASKS, make_optimizer
 from dtrain.observe.flops import gpt_throughput
 from dtrain.observe.metrics import format_table
 from dtrain.process.logs import LOGGER
 from dtrain.step.batches import check_batch
-from dtrain.tasks import TASKS, make_optimizer
 from dtrain.topology_flags import add_topology_args
 
 DEFAULT_SEED = 0

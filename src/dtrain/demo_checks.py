@@ -16,7 +16,7 @@ from dtrain import checkpoint
 from dtrain.checkpoint import out_lock
 from dtrain.errors import ConfigError
 from dtrain.models import check_size
-from dtrain.tasks import TASKS
+from dtrain.models.recipes import TASKS
 
 DEFAULT_OUT = "runs/demo"
 

@@ -99,8 +99,8 @@ class Workload:
         spec.check_options(config)
         if self.model is None:
             return
+        from dtrain.models.recipes import TASKS
         from dtrain.step.batches import check_batch
-        from dtrain.tasks import TASKS
 
         dp_size, splits = spec.batch_layout(config)
         batch = self.global_batch_size or TASKS[self.model].global_batch_size

@@ -29,10 +29,10 @@ def main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from dtrain.models.recipes import make_optimizer
     from dtrain.plan.engine_probe import endless_batches
     from dtrain.plan.lockstep import LEAVE, TIMEOUT, Lockstep
     from dtrain.plan.source import describe_args, load_source
-    from dtrain.tasks import make_optimizer
 
     first, threads, address, rank, world, *source = argv
     torch.set_num_threads(int(threads))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dtrain.models.recipes import make_optimizer
 from dtrain.plan.engine_probe import (
     endless_batches,
     lower_quartile,
@@ -36,7 +37,6 @@ from dtrain.plan.engine_probe import (
 from dtrain.plan.lockstep import LEAVE, Helpers, Lockstep
 from dtrain.plan.source import Source, Workload
 from dtrain.plan.weigh import ModelFigures, sync, weigh
-from dtrain.tasks import make_optimizer
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def global_batch(args: argparse.Namespace, work: Workload) -> int:
                 "--global-batch-size is needed with --script or --factory: the plan splits "
                 "that batch over the devices."
             )
-        from dtrain.tasks import TASKS
+        from dtrain.models.recipes import TASKS
 
         return TASKS[args.model or "cnn"].global_batch_size
     return int(args.global_batch_size)

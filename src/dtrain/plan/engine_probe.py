@@ -81,7 +81,7 @@ def time_engine_step(work: Workload, batch: int, device: torch.device, seconds: 
     `log_every` steps, the bar redrawn twice a second) falls out; it is small. The
     planner's random state is kept as it was (the Engine seeds every generator)."""
     import dtrain
-    from dtrain.tasks import make_optimizer
+    from dtrain.models.recipes import make_optimizer
 
     state = random.getstate()
     times: list[float] = []

@@ -88,7 +88,7 @@ def _paired(
 ) -> float:
     """Median over rounds of (wrapped step - plain step), the two run back to back so a
     pause of the machine falls on both alike."""
-    from dtrain.tasks import make_optimizer
+    from dtrain.models.recipes import make_optimizer
 
     opt_plain = make_optimizer(work.optimizer, plain, 1e-12)
     opt_wrapped = make_optimizer(work.optimizer, wrapped, 1e-12)
@@ -113,8 +113,8 @@ def pipeline_seconds(work: Workload, device: torch.device, seconds: float) -> fl
     sample, so micro-batches of one sample measure it where the compute, and its noise,
     is least (at 8 GPT samples a micro-batch the noise was larger than the work)."""
     batch = 1
+    from dtrain.models.recipes import make_optimizer
     from dtrain.parallel.pipeline import Pipeline
-    from dtrain.tasks import make_optimizer
 
     m = PIPELINE_MICROBATCHES
     plain = copy.deepcopy(work.model).to(device)

@@ -47,7 +47,7 @@ class Workload:
     targets: torch.Tensor
     loss_fn: LossFn
     optimizer: str
-    """sgd or adamw (`dtrain.tasks.make_optimizer`)."""
+    """sgd or adamw (`dtrain.models.recipes.make_optimizer`)."""
     bundled: bool
     """True for `--model`: the flags then include the demo's model flags."""
     dataset: Dataset | None = None
@@ -99,7 +99,7 @@ def load_source(source: Source) -> Workload:
 def bundled(name: str, size: str | None, optimizer: str | None) -> Workload:
     """The demo's model `name` with a batch of its real training data."""
     from dtrain.models import build
-    from dtrain.tasks import TASKS
+    from dtrain.models.recipes import TASKS
 
     model = build(name, size)
     task = TASKS[name]

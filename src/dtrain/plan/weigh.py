@@ -23,8 +23,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
+from dtrain.models.recipes import make_optimizer
 from dtrain.plan.source import Workload
-from dtrain.tasks import make_optimizer
 
 
 def sync(device: torch.device) -> None:

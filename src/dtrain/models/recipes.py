@@ -1,4 +1,4 @@
-"""The demo's training tasks: which data, loss and default settings go with each model.
+"""The bundled models' recipes: which data, loss and default settings go with each model.
 
 * ``cnn``, ``mlp``: classify scikit-learn's handwritten digits (8x8 images, 10 classes);
   SGD with momentum; reported as test accuracy.
