@@ -667,7 +667,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # before the fork server starts
     # Every trial's workers fork from one process that has torch and dtrain imported.
-    mp.set_forkserver_preload(["__main__", "dtrain.start"])
+    mp.set_forkserver_preload(["__main__", "dtrain.engine.start"])
     shape = Shape(args.dim, args.heads, args.context, args.batch, args.steps)
     print("command: python " + shlex.join(sys.argv))
     print(machine())

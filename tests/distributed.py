@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["torch", "torch.distributed", "dtrain.engine", "dtrain.start"]
+PRELOAD = ["torch", "torch.distributed", "dtrain.engine", "dtrain.engine.start"]
 """What the fork server imports once, so that a rank starts without importing torch again
 (seconds of every job); modules that read the environment when imported stay out."""
 

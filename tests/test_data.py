@@ -15,8 +15,8 @@ from distributed import run_ranks
 
 import dtrain
 from dtrain.data.sampler import ShardedBatchSampler
+from dtrain.engine.data_side import Feeder
 from dtrain.errors import ConfigError, SetupError
-from dtrain.feeding import Feeder
 from dtrain.observe.progress import Throughput
 from dtrain.step.position import Position
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import dtrain
-from dtrain.feeding import loader_defaults
+from dtrain.engine.data_side import loader_defaults
 from dtrain.observe.diagnosis import Reading, diagnose
 
 

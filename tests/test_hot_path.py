@@ -114,7 +114,7 @@ def test_one_step_opens_at_most_six_files_in_one_process() -> None:
         assert not too_many(strategy, found), (strategy, found)
     # The counter sees past the dispatcher only what it must: single's own step.
     assert step_files()["train_step"] == [
-        "engine.py",
+        "engine/engine.py",
         "observe/events.py",
         "step/batches.py",
         "strategies/base.py",

@@ -16,8 +16,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from training import finish
 
 import dtrain
+from dtrain.engine.data_side import Feeder
 from dtrain.errors import ConfigError, SetupError
-from dtrain.feeding import Feeder
 from dtrain.observe.progress import Throughput
 from dtrain.step.position import Position
 

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from dtrain.data.shard_files import ShardFiles
     from dtrain.data.shard_write import write_shards
     from dtrain.engine import Engine
+    from dtrain.engine.start import init
     from dtrain.launch.notebook import launch
     from dtrain.observe.events import End, Observer, Run
-    from dtrain.start import init
     from dtrain.strategies.specs import available as available_strategies
 
 __version__ = "0.1.0"
@@ -42,7 +42,7 @@ _LAZY = {
     "Run": ("dtrain.observe.events", "Run"),
     "ShardFiles": ("dtrain.data.shard_files", "ShardFiles"),
     "available_strategies": ("dtrain.strategies.specs", "available"),
-    "init": ("dtrain.start", "init"),
+    "init": ("dtrain.engine.start", "init"),
     "launch": ("dtrain.launch.notebook", "launch"),
     "write_shards": ("dtrain.data.shard_write", "write_shards"),
 }

@@ -1,7 +1,7 @@
 """What checkpoints ask of a strategy: its model and optimizer state, whole or per replica.
 
 :class:`CheckpointState` is the part of a runtime strategy that the checkpoints call
-(checkpointing.py, checkpoint/sharded.py, checkpoint/sharded_load.py). Its defaults hold
+(engine/checkpoint_side.py, checkpoint/sharded.py, checkpoint/sharded_load.py). Its defaults hold
 where `unwrap()` is the whole model on every rank and the loop steps a torch optimizer
 over its parameters; strategies that shard the state, keep replicas apart between syncs
 or hold it on servers override them.

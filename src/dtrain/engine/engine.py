@@ -4,9 +4,9 @@ The training loop is written once against the Engine; the strategy behind it dec
 the model is wrapped and how gradients are synchronised. Loop mechanics that every
 strategy shares (moving batches, micro-batching, loss checks, stepping, counting) live
 here, so strategies only say what differs. What the Engine answers without training
-(`dtrain.job_view`), its data methods (`dtrain.feeding`) and its checkpoint methods
-(`dtrain.checkpointing`) are its base classes, each in its own module; what it is built
-from and how it is taken apart, `dtrain.assembly`.
+(`dtrain.engine.job_view`), its data methods (`dtrain.engine.data_side`) and its checkpoint methods
+(`dtrain.engine.checkpoint_side`) are its base classes, each in its own module; what it is built
+from and how it is taken apart, `dtrain.engine.assembly`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.assembly import banner, loss_scaling, release, watchers
-from dtrain.checkpointing import CheckpointSide
 from dtrain.config import Config
+from dtrain.engine.assembly import banner, loss_scaling, release, watchers
+from dtrain.engine.checkpoint_side import CheckpointSide
+from dtrain.engine.data_side import DataSide, Feeder
+from dtrain.engine.evaluation import evaluate, shortfall
+from dtrain.engine.job_view import JobView
 from dtrain.errors import CheckpointError, ConfigError, SetupError
-from dtrain.evaluation import evaluate, shortfall
-from dtrain.feeding import DataSide, Feeder
-from dtrain.job_view import JobView
 from dtrain.observe.events import End, Run
 from dtrain.observe.progress import Throughput
 from dtrain.parallel import build_record, materialize

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dtrain.config import Config
-from dtrain.engine import Engine
+from dtrain.engine.engine import Engine
 from dtrain.errors import ConfigError
 from dtrain.process.rng import initial_seeds, settle_seed
 from dtrain.process.topology import init_process_group

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.checkpointing import Checkpoints
 from dtrain.config import Config
-from dtrain.feeding import TrainedSamples
+from dtrain.engine.checkpoint_side import Checkpoints
+from dtrain.engine.data_side import TrainedSamples
 from dtrain.observe.events import Observers
 from dtrain.observe.gpu_use import GpuUse
 from dtrain.observe.loss_reads import LossReads

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from dtrain import advice, checkpoint, own_states
+from dtrain import advice, checkpoint
 from dtrain.checkpoint.atomic import clean_leftovers
 from dtrain.checkpoint.directory import ROTATED_AS, problems_of
 from dtrain.checkpoint.flat_optimizer import merge_groups
@@ -36,6 +36,7 @@ from dtrain.checkpoint.sharded import ShardedWriter, local_part
 from dtrain.checkpoint.sharded_load import load_sharded
 from dtrain.checkpoint.shared import decided_by_main
 from dtrain.checkpoint.verify import verify
+from dtrain.engine import own_states
 from dtrain.errors import CheckpointError, DamagedCheckpointError
 from dtrain.observe.events import Observer, Observers, Run
 from dtrain.observe.loss_reads import LossReads
