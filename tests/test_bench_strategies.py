@@ -27,6 +27,7 @@ from dtrain.bench.table import (
     throughput_basis,
 )
 from dtrain.bench.trial import TrialResult, Workload, run_trial
+from dtrain.cli.parser import build_parser
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 GRID = ["--model", "mlp", "--strategies", "single,ddp", "--nproc", "1,2"]
@@ -231,7 +232,7 @@ def test_rows_take_medians_and_the_breakdown_mean_over_ranks(tmp_path: Path) -> 
 def test_trials_across_hosts_start_every_machine_with_its_processes(tmp_path: Path) -> None:
     """With --hosts, a trial is one `-H` job (its --nproc processes on each machine, over
     ssh with the bench's ssh flags), and its row counts every machine's processes."""
-    args = cli.build_parser().parse_args(
+    args = build_parser().parse_args(
         ["bench", "--strategies", "ddp", "--hosts", "a,b", "--ssh-port", "2222"]
     )
     workload = Workload.from_args(args)

@@ -21,10 +21,10 @@ from distributed import run_ranks
 from torch.testing import assert_close
 
 import dtrain
-from dtrain import demo
 from dtrain.checkpoint import step_path
 from dtrain.checkpoint.atomic import file_records
 from dtrain.checkpoint.verify import verify
+from dtrain.demo import script as demo
 from dtrain.errors import CheckpointError, DamagedCheckpointError
 from dtrain.models.digits import DigitsMLP
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dtrain import command_names
+from dtrain.demo.lr import scale_lr
 from dtrain.errors import ConfigError
-from dtrain.lr import scale_lr
 from dtrain.models import MODELS, build
 from dtrain.models.gpt import SIZES
 from dtrain.models.recipes import TASKS, make_optimizer

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from dtrain import demo
 from dtrain.cli import build_parser, main
 from dtrain.config.file import parse_with_config
+from dtrain.demo import script as demo
 from dtrain.errors import ConfigError
-from dtrain.topology_flags import config_from
+from dtrain.launch.topology_flags import config_from
 
 
 def write(tmp_path: Path, text: str) -> Path:

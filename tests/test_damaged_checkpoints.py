@@ -23,9 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.testing import assert_close
 
 import dtrain
-from dtrain import demo
 from dtrain.checkpoint import step_path
 from dtrain.checkpoint.directory import problems_of
+from dtrain.demo import script as demo
 from dtrain.errors import CheckpointError
 from dtrain.launch import bootstrap
 from dtrain.launch.failures import format_failures

@@ -21,12 +21,12 @@ from distributed import run_ranks
 from torch.testing import assert_close
 
 import dtrain
-from dtrain import demo
 from dtrain.checkpoint import step_path
 from dtrain.checkpoint.atomic import file_records
 from dtrain.checkpoint.convert import convert
 from dtrain.checkpoint.verify import verify
 from dtrain.cli import main
+from dtrain.demo import script as demo
 from dtrain.errors import CheckpointError
 from dtrain.models.digits import DigitsMLP
 

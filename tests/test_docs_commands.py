@@ -29,14 +29,14 @@ import pytest
 from dtrain.bench.bench_flags import check_args
 from dtrain.checkpoint import step_path
 from dtrain.checkpoint.convert import PLAIN_SUFFIXES
-from dtrain.cli_checks import check_run
-from dtrain.cli_parser import build_parser
+from dtrain.cli.parser import build_parser
+from dtrain.cli.preflight import check_run
 from dtrain.config.file import parse_with_config
 from dtrain.datasets import load_digits
-from dtrain.demo_checks import complete_args
-from dtrain.demo_flags import check_training_args
+from dtrain.demo.checks import complete_args
+from dtrain.demo.flags import check_training_args
 from dtrain.errors import DtrainError
-from dtrain.topology_flags import config_from
+from dtrain.launch.topology_flags import config_from
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

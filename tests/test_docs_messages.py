@@ -44,19 +44,19 @@ from dtrain.checkpoint.format import (
     read_manifest,
     write_manifest,
 )
-from dtrain.cli_checks import check_run
-from dtrain.cli_parser import build_parser
+from dtrain.cli.parser import build_parser
+from dtrain.cli.preflight import check_run
 from dtrain.config import Config
 from dtrain.config.file import parse_with_config
-from dtrain.demo_flags import check_training_args
+from dtrain.demo.flags import check_training_args
 from dtrain.errors import DtrainError, NonFiniteLossError
 from dtrain.launch.failures import format_failures
+from dtrain.launch.topology_flags import config_from
 from dtrain.models import build
 from dtrain.parallel.tensor_plan import plan_of
 from dtrain.strategies.ps.protocol import Channel
 from dtrain.strategies.ps.roles import Roles
 from dtrain.strategies.specs import lookup
-from dtrain.topology_flags import config_from
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "troubleshooting.md"

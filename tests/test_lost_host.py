@@ -148,7 +148,7 @@ import os, sys, time
 from pathlib import Path
 import torch.distributed.checkpoint as dcp
 import dtrain
-from dtrain import demo
+from dtrain.demo import script as demo
 
 # RANK WHERE STEP MARKER, then the demo's flags. Rank RANK halts, and says so by making
 # the file MARKER: at "step", before training step STEP + 1; at "save", in the save of
@@ -191,7 +191,7 @@ demo.main(sys.argv[5:])
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The parameters of the demo run whole in this process: what every resumed run must
     end with."""
-    from dtrain import demo
+    from dtrain.demo import script as demo
 
     out = tmp_path_factory.mktemp("uninterrupted")
     demo.main([*DEMO, "--out", str(out)])

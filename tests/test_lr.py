@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from dtrain.demo.lr import LRSchedule, scale_lr
 from dtrain.errors import ConfigError
-from dtrain.lr import LRSchedule, scale_lr
 
 
 def test_seeds_example_is_the_sqrt_rule() -> None:

@@ -19,7 +19,7 @@ from conftest import run_cli
 
 from dtrain.checkpoint import out_lock
 from dtrain.checkpoint.out_lock import LOCK_NAME, Owner, take, this_process
-from dtrain.demo_checks import claim_out
+from dtrain.demo.checks import claim_out
 from dtrain.errors import ConfigError
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dtrain.cli import build_parser, main
+from dtrain.launch.topology_flags import config_from
 from dtrain.observe.diagnosis import Job, diagnose
 from dtrain.plan import command, costs, report
 from dtrain.plan.calibrate import Calibration, StepTime
@@ -30,7 +31,6 @@ from dtrain.plan.links import given
 from dtrain.plan.machine import Machine
 from dtrain.plan.source import Workload
 from dtrain.plan.weigh import ModelFigures, weigh
-from dtrain.topology_flags import config_from
 
 PARAMS = 1_000_000
 """One 1000 x 1000 matrix and nothing else: PowerSGD compresses all of it."""

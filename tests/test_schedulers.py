@@ -12,7 +12,7 @@ from dtrain.config import Config
 from dtrain.config.file import parse_with_config
 from dtrain.errors import ConfigError
 from dtrain.launch.schedulers import Placement, detect, expand_nodelist, slurm_port
-from dtrain.topology_flags import config_from
+from dtrain.launch.topology_flags import config_from
 
 SCHEDULER_VARIABLES = ("SLURM_", "PET_", "KUBERNETES_", "TORCHELASTIC_")
 

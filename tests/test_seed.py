@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 import dtrain
 from dtrain.data.sampler import ShardedBatchSampler
-from dtrain.demo import parse_args
+from dtrain.demo.script import parse_args
 
 
 class Collect(logging.Handler):

@@ -25,7 +25,7 @@ from dtrain.data.shard_files import ShardFiles
 from dtrain.data.shard_share import ShardShare
 from dtrain.data.shard_write import write_shards
 from dtrain.datasets import load_text
-from dtrain.demo import check_shards
+from dtrain.demo.script import check_shards
 from dtrain.errors import ConfigError, SetupError
 from dtrain.step.position import Position
 

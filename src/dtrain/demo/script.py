@@ -8,7 +8,6 @@ so it exercises exactly the path a user's own script takes.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,11 @@ from dtrain import checkpoint
 from dtrain.config.file import add_config_arg, parse_with_config
 from dtrain.data.shard_files import ShardFiles
 from dtrain.data.shard_share import ShardShare
-from dtrain.demo_checks import complete_args
-from dtrain.demo_flags import add_training_args
+from dtrain.demo.checks import complete_args
+from dtrain.demo.flags import add_training_args
+from dtrain.demo.lr import LRSchedule, scale_lr
 from dtrain.errors import ConfigError
-from dtrain.lr import LRSchedule, scale_lr
+from dtrain.launch.topology_flags import add_topology_args
 from dtrain.models import build
 from dtrain.models.gpt import GPT
 from dtrain.models.recipes import TASKS, make_optimizer
@@ -31,7 +31,6 @@ from dtrain.observe.flops import gpt_throughput
 from dtrain.observe.metrics import format_table
 from dtrain.process.logs import LOGGER
 from dtrain.step.batches import check_batch
-from dtrain.topology_flags import add_topology_args
 
 DEFAULT_SEED = 0
 """The demo's seed when --seed is not given, so that two runs of it train alike."""
@@ -223,7 +222,3 @@ def resume_from(engine: dtrain.Engine, root: Path) -> None:
         f"Resumed at step {manifest['step']} from a {layout} checkpoint written by "
         f"{manifest['strategy']} at world size {manifest['world_size']}."
     )
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

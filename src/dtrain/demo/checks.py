@@ -2,7 +2,7 @@
 these) and again in each worker: the model's defaults filled in, --out claimed (locked
 for the run's life, see `dtrain.checkpoint.out_lock`).
 
-Kept apart from `dtrain.demo` so that checking a command does not import the module the
+Kept apart from `dtrain.demo.script` so that checking a command does not import the module the
 launcher then runs as ``__main__``.
 """
 

@@ -1,8 +1,8 @@
 """The `dtrain` command: run, demo, bench, plan, ckpt, data.
 
 Parsing, `--help` and every flag or Config error need no torch: this module imports only
-light modules at the top (the parser is `cli_parser.py`, the checks before launching
-`cli_checks.py`), and the launcher, the demo's checks and the checkpoint tools inside the
+light modules at the top (the parser is `parser.py`, the checks before launching
+`preflight.py`), and the launcher, the demo's checks and the checkpoint tools inside the
 paths that use them, after the command line has been parsed and checked.
 """
 
@@ -13,14 +13,14 @@ import sys
 from contextlib import AbstractContextManager, nullcontext
 
 from dtrain.advice import running_as
-from dtrain.cli_checks import check_demo, check_run
-from dtrain.cli_parser import build_parser
+from dtrain.cli.parser import build_parser
+from dtrain.cli.preflight import check_demo, check_run
 from dtrain.config import Config
 from dtrain.config.file import parse_with_config
-from dtrain.demo_flags import check_training_args
+from dtrain.demo.flags import check_training_args
 from dtrain.errors import ConfigError, DtrainError, exit_report
 from dtrain.launch.quiet import import_quietly
-from dtrain.topology_flags import config_from
+from dtrain.launch.topology_flags import config_from
 
 DEMO_MODULE = "dtrain.demo"
 COMM_MODULE = "dtrain.bench.comm"
@@ -139,7 +139,3 @@ def _ckpt(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.path}: every file matches the manifest and reads.")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,9 @@
+"""`dtrain demo`, the main job: a bundled model trained on real data by an ordinary dtrain
+script (`script.py`, run as ``python -m dtrain.demo``), its TRAINING flags (`flags.py`),
+their checks before any process starts (`checks.py`, torch-free like the flags) and the
+learning-rate rules (`lr.py`).
+
+A command: it imports the core (the public API, models, data, observe, checkpoint) and the
+launcher's TOPOLOGY flags; nothing imports it but `dtrain.cli`. Importing the package
+imports no torch.
+"""
