@@ -1,9 +1,10 @@
 """docs/architecture.md names every module, and dtrain's imports run down its layers.
 
-The import graph is read from the source with `ast` (imports at module level and inside
-functions; those under ``if TYPE_CHECKING:`` are left out, as they never run). A unit is
-a package (``parallel/``) or a top-level module (``advice.py``); the layers and rules
-below are the "Layers" section of docs/architecture.md.
+The import graph is read from the source with `ast`: every import, at module level, inside
+functions and under ``if TYPE_CHECKING:`` alike (a type named from a higher layer is an
+arrow running up, even if it never runs). A unit is a package (``parallel/``) or a
+top-level module (``advice.py``); the layers and rules below are the "Layers" section of
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -86,19 +87,10 @@ def unit_of(module: str) -> str:
     return f"{parts[0]}.py" if (SOURCE / f"{parts[0]}.py").exists() else PACKAGE
 
 
-def _type_checking(node: ast.If) -> bool:
-    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
-    name = getattr(node.test, "id", None) or getattr(node.test, "attr", None)
-    return name == "TYPE_CHECKING"
-
-
 def imported(node: ast.AST, package: str) -> Iterator[tuple[int, str]]:
-    """(line, dotted module) of every dtrain import under `node`, outside TYPE_CHECKING;
+    """(line, dotted module) of every dtrain import under `node`, type-only ones included;
     `package` (dotted) resolves relative imports."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _type_checking(child):
-            yield from imported(ast.Module(body=child.orelse, type_ignores=[]), package)
-            continue
         if isinstance(child, ast.Import):
             names = [alias.name for alias in child.names]
         elif isinstance(child, ast.ImportFrom):

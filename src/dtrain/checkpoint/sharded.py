@@ -40,13 +40,13 @@ from dtrain.process.collectives import gather_objects, rank_in
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dtrain.strategies.base import Strategy
+    from dtrain.checkpoint.holder import StateHolder
 
 
 @dataclass
 class Part:
     """What one rank writes: its entries, its optimizer groups by name, and whether the
-    main rank writes every entry alone (the whole state, gathered by `strategy.full_state`,
+    main rank writes every entry alone (the whole state, gathered by `holder.full_state`,
     where no rank has an entry of its own to add)."""
 
     state: dict[str, Any]
@@ -54,16 +54,16 @@ class Part:
     alone: bool
 
 
-def local_part(strategy: Strategy, optimizer: Optimizer | None) -> Part:
+def local_part(holder: StateHolder, optimizer: Optimizer | None) -> Part:
     """This rank's part of a sharded checkpoint (collective: every rank calls it)."""
-    if not strategy.state_by_module:
+    if not holder.state_by_module:
         # zero1's and ps's optimizers keep state the module does not see: gather it.
-        tensors, optimizer_state = strategy.full_state(optimizer)
+        tensors, optimizer_state = holder.full_state(optimizer)
         if tensors is None:
             return Part({}, None, alone=True)
         return Part(_entries(tensors, optimizer_state), _groups(optimizer_state), alone=True)
-    strategy.refresh()
-    module = strategy.unwrap()
+    holder.refresh()
+    module = holder.unwrap()
     # The optimizer's own tensors by name, uncopied: `get_optimizer_state_dict` would give
     # the same, but first takes a zero-lr step on an optimizer that has not stepped yet,
     # which the Engine would count as a training step.
@@ -92,8 +92,8 @@ class ShardedWriter:
     """Writes the sharded checkpoints of one run, at most one in flight (asynchronous
     saves run in the background; the next save, a load, and `wait` wait for it)."""
 
-    def __init__(self, strategy: Strategy) -> None:
-        self.strategy = strategy
+    def __init__(self, holder: StateHolder) -> None:
+        self.holder = holder
         self.pending_target: Path | None = None
         """Where the save in flight will appear."""
         self._pending: Future[Any] | None = None
@@ -104,7 +104,7 @@ class ShardedWriter:
 
     @property
     def _main(self) -> bool:
-        return self.strategy.topology.is_main
+        return self.holder.topology.is_main
 
     def save(
         self,
@@ -118,7 +118,7 @@ class ShardedWriter:
         checkpoint `target` (collective); `on_commit` runs on the main rank once it is in
         place. In the background with ``async_checkpoint``."""
         self.wait()
-        group = self.strategy.placement.train_group
+        group = self.holder.checkpoint_group
         size = stored_bytes(part.state, trainer)
 
         def start() -> Path:
@@ -130,7 +130,7 @@ class ShardedWriter:
 
         tmp = decided_by_main(start, group, self._main)
         unfinished = _Unfinished(tmp, target, info, on_commit, size)
-        background = self.strategy.config.async_checkpoint
+        background = self.holder.config.async_checkpoint
         # Whatever fails, every rank raises (the main rank's error where it alone failed).
         with unfinished.guarded(self._main):
             if background:
@@ -151,7 +151,7 @@ class ShardedWriter:
     def _records(self, tmp: Path) -> dict[str, dict[str, object]]:
         """The size and checksum of every file in `tmp`; every rank checksums a share of
         the files, in parallel."""
-        group = self.strategy.placement.train_group
+        group = self.holder.checkpoint_group
         me, ranks = rank_in(group)
         shares = gather_objects(file_records(tmp, _files(tmp)[me::ranks]), group)
         return {name: record for share in shares for name, record in share.items()}
@@ -169,7 +169,7 @@ class ShardedWriter:
     def _write(self, part: Part, tmp: Path, background: bool) -> Future[Any] | None:
         """Hand `part` to DCP (every rank, or the main rank alone); the upload's future
         when in the background."""
-        group = self.strategy.placement.train_group
+        group = self.holder.checkpoint_group
         if background and dist.is_initialized():
             # The upload's collectives run beside training's, so they get a group of their
             # own; DCP also wants one that works on the CPU (gloo), even for one writer.

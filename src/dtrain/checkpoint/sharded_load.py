@@ -1,10 +1,10 @@
 """Loading a sharded checkpoint under any strategy and world size.
 
 Where the optimizer the loop steps is a torch optimizer over the module's parameters
-(`strategy.state_by_module`), each rank builds its own layout of the state (its shards,
+(`holder.state_by_module`), each rank builds its own layout of the state (its shards,
 its stage's tensors, a whole replica) and DCP reads into it just the pieces that rank
 needs, resharding from whatever layout wrote them. Elsewhere (zero1, ps) every rank reads
-the whole state and loads it through `strategy.load_full_state`, as from a consolidated
+the whole state and loads it through `holder.load_full_state`, as from a consolidated
 checkpoint. Either way the checkpoint is checked against the whole model first, from the
 index alone, and a checkpoint that does not fit loads nothing.
 """
@@ -48,19 +48,19 @@ from dtrain.errors import CheckpointError, DamagedCheckpointError
 from dtrain.process.collectives import gather_objects
 
 if TYPE_CHECKING:
-    from dtrain.strategies.base import Strategy
+    from dtrain.checkpoint.holder import StateHolder
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def load_sharded(
     path: Path,
-    strategy: Strategy,
+    holder: StateHolder,
     optimizer: Optimizer | None,
     strict: bool,
     groups: list[list[str]] | None,
 ) -> tuple[list[str], bool]:
-    """Load the sharded checkpoint at `path` into the strategy's model (and `optimizer`);
+    """Load the sharded checkpoint at `path` into the holder's model (and `optimizer`);
     collective over the training ranks. `groups` are the optimizer's groups by name, from
     the trainer state. Returns (names skipped with strict=False, whether optimizer state
     was loaded)."""
@@ -76,21 +76,21 @@ def load_sharded(
     }
     if not keys:
         optimizer = None
-    if not strategy.state_by_module:
-        return _load_whole(path, strategy, optimizer, strict, found, groups), optimizer is not None
-    skipped = _load_by_module(path, strategy, optimizer, strict, found, keys)
+    if not holder.state_by_module:
+        return _load_whole(path, holder, optimizer, strict, found, groups), optimizer is not None
+    skipped = _load_by_module(path, holder, optimizer, strict, found, keys)
     return skipped, optimizer is not None
 
 
 def _load_whole(
     path: Path,
-    strategy: Strategy,
+    holder: StateHolder,
     optimizer: Optimizer | None,
     strict: bool,
     found: dict[str, torch.Tensor],
     groups: list[list[str]] | None,
 ) -> list[str]:
-    check_fit(expected_shapes(strategy.unwrap()), found, strict)  # before reading anything
+    check_fit(expected_shapes(holder.unwrap()), found, strict)  # before reading anything
     if optimizer is not None and groups is None:
         raise DamagedCheckpointError(
             f"{path} holds optimizer state but its trainer state does not say which "
@@ -98,7 +98,7 @@ def _load_whole(
             "an older checkpoint."
         )
     tensors, optimizer_state = read_whole(path, groups if optimizer is not None else None)
-    return strategy.load_full_state(tensors, optimizer, optimizer_state, strict)
+    return holder.load_full_state(tensors, optimizer, optimizer_state, strict)
 
 
 def read_whole(
@@ -123,14 +123,14 @@ def read_whole(
 
 def _load_by_module(
     path: Path,
-    strategy: Strategy,
+    holder: StateHolder,
     optimizer: Optimizer | None,
     strict: bool,
     found: dict[str, torch.Tensor],
     keys: set[str],
 ) -> list[str]:
-    module = strategy.unwrap()
-    group = strategy.placement.train_group
+    module = holder.unwrap()
+    group = holder.checkpoint_group
     whole: dict[str, torch.Size] = {}
     for part in gather_objects(expected_shapes(module), group):  # a stage knows its part
         whole.update(part)

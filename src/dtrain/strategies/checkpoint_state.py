@@ -1,7 +1,8 @@
 """What checkpoints ask of a strategy: its model and optimizer state, whole or per replica.
 
 :class:`CheckpointState` is the part of a runtime strategy that the checkpoints call
-(engine/checkpoint_side.py, checkpoint/sharded.py, checkpoint/sharded_load.py). Its defaults hold
+(engine/checkpoint_side.py; the formats through their protocol,
+`dtrain.checkpoint.holder.StateHolder`, which every Strategy fulfils). Its defaults hold
 where `unwrap()` is the whole model on every rank and the loop steps a torch optimizer
 over its parameters; strategies that shard the state, keep replicas apart between syncs
 or hold it on servers override them.
@@ -12,18 +13,21 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
 from dtrain.process.topology import Topology
+from dtrain.strategies.placement import Placement
 
 
 class _Holder(Protocol):
     """What the defaults read of the strategy they belong to."""
 
     topology: Topology
+    placement: Placement
 
     def unwrap(self) -> nn.Module: ...
 
@@ -38,6 +42,12 @@ class CheckpointState:
         part directly (sharded checkpoints); False sends sharded checkpoints through
         `full_state`."""
         return True
+
+    @property
+    def checkpoint_group(self: _Holder) -> dist.ProcessGroup | None:
+        """The group whose ranks save and load a checkpoint together: the training ranks
+        (read when a checkpoint is taken, after setup has joined them)."""
+        return self.placement.train_group
 
     @property
     def model_class(self: _Holder) -> str:
