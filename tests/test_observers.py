@@ -191,3 +191,30 @@ def test_a_step_fp16_mixed_skips_still_pairs_the_optimizer_events() -> None:
     assert optimizer_events == [
         ("optimizer",), ("optimizer end", 1), ("optimizer",), ("optimizer end", 2)
     ]
+
+
+def test_the_strategys_figures_reach_the_metrics_of_any_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A strategy's own figures (a pipeline's stage times, the servers' counters) are added
+    at close, so a `dtrain run` script's metrics JSON holds them as the demo's does, and
+    the main rank prints them; a layout alone is not printed again."""
+    metrics = tmp_path / "m.json"
+    engine = dtrain.init(seed=0, metrics_json=str(metrics))
+    figures = {"layout": "dp1 x pp2", "stages": "a / b", "stage_compute_ms": "1.5 / 2.5"}
+    monkeypatch.setattr(engine.strategy, "report", lambda: figures)
+    model = DigitsMLP(hidden=4)
+    engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.train_step((torch.randn(4, 64), torch.randint(0, 10, (4,))), F.cross_entropy)
+    engine.close()
+    written = json.loads(metrics.read_text())
+    assert {k: written[k] for k in figures} == figures
+    said = capsys.readouterr().out
+    assert "dtrain: measured by strategy single" in said and "stage_compute_ms" in said
+
+    engine = dtrain.init(seed=0)
+    monkeypatch.setattr(engine.strategy, "report", lambda: {"layout": "dp2"})
+    model = DigitsMLP(hidden=4)
+    engine.setup(model, None)
+    engine.close()
+    assert "measured by strategy" not in capsys.readouterr().out

@@ -156,7 +156,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         **task.report(result),
         "samples_per_second": engine.throughput.samples_per_second,
         "wall_seconds": time.perf_counter() - wall_start,
-        **engine.strategy.report(),
     }
     if gpt is not None:
         metrics |= gpt_throughput(

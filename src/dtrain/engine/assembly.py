@@ -1,6 +1,7 @@
 """How an Engine is put together around its strategy, and taken apart: fp16-mixed's loss
 scale, the observers that watch its run (built once, in the order they are told each
-event), the line `engine.setup` says, and the end of `engine.close`."""
+event; the strategy's own figures among them), the line `engine.setup` says, and the end
+of `engine.close`."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from torch import nn
 from dtrain.config import Config
 from dtrain.engine.checkpoint_side import Checkpoints
 from dtrain.engine.data_side import TrainedSamples
-from dtrain.observe.events import Observers
+from dtrain.observe.events import End, Observer, Observers
 from dtrain.observe.gpu_use import GpuUse
 from dtrain.observe.loss_reads import LossReads
 from dtrain.observe.memory import MemoryReport
+from dtrain.observe.metrics import format_table
 from dtrain.observe.progress import Throughput
 from dtrain.observe.run_report import RunReport
 from dtrain.observe.summary import RunSummary
@@ -37,6 +39,26 @@ def loss_scaling(config: Config, strategy: Strategy) -> LossScaling | None:
     distributed = strategy.spec.multiprocess and dist.is_initialized()
     placement = strategy.placement
     return LossScaling(placement.input_device, placement.train_group, distributed)
+
+
+class StrategyFigures(Observer):
+    """The strategy's own measurements at the end of the run (a pipeline's stages and their
+    compute time, the parameter servers' counters, local SGD's syncs: `strategy.report()`)
+    added to the results, under `dtrain run` as under `dtrain demo`, and printed by the
+    main rank when there is more to say than the layout the setup line gave."""
+
+    def __init__(self, strategy: Strategy, is_main: bool) -> None:
+        self.strategy = strategy
+        self.is_main = is_main
+
+    def on_close(self, end: End) -> None:
+        if not end.together:
+            return  # the figures are gathered over every rank
+        figures = self.strategy.report()
+        end.results.update(figures)
+        if self.is_main and figures.keys() - {"layout"}:
+            table = format_table(list(figures.items()))
+            print(f"dtrain: measured by strategy {self.strategy.name}\n{table}", flush=True)
 
 
 @dataclass(frozen=True)
@@ -73,7 +95,8 @@ def watchers(
     more = "--nproc" if spec.multiprocess else "--strategy ddp --nproc"
     more = "--towers" if spec.name == "towers" else more
     gpus = GpuUse(strategy.placement.devices, topology.is_main, more)
-    watched = [checkpoints, report, loss, timing, memory, gpus, summary]
+    figures = StrategyFigures(strategy, topology.is_main)
+    watched = [checkpoints, report, loss, timing, memory, gpus, figures, summary]
     observers = Observers([TrainedSamples(position), *watched])
     return Watchers(checkpoints, report, timing, loss, memory, observers)
 
