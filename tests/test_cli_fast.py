@@ -115,7 +115,7 @@ from dtrain import Engine
 assert "torch" in sys.modules
 assert callable(dtrain.launch) and dtrain.launch.__module__ == "dtrain.launch.notebook"
 assert dtrain.init.__module__ == "dtrain.engine.start" and Engine is dtrain.Engine
-assert "dtrain.process.requirements" in sys.modules, "the torch version was not checked"
+assert "dtrain.process.torch_version" in sys.modules, "the torch version was not checked"
 assert dtrain.available_strategies() == list(dtrain.command_names.STRATEGIES)
 assert {"init", "launch", "Engine"} <= set(dir(dtrain))
 print("ok")

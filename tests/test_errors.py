@@ -101,7 +101,7 @@ def test_unknown_precision() -> None:
 
 
 def test_an_old_torch_is_refused_with_the_fix() -> None:
-    from dtrain.process.requirements import check_torch
+    from dtrain.process.torch_version import check_torch
 
     check_torch("2.13.0+cpu")
     check_torch("3.0.0")
@@ -110,7 +110,7 @@ def test_an_old_torch_is_refused_with_the_fix() -> None:
 
 
 def test_an_old_torch_can_be_allowed_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dtrain.process.requirements import check_torch
+    from dtrain.process.torch_version import check_torch
 
     monkeypatch.setenv("DTRAIN_ALLOW_OLD_TORCH", "1")
     with pytest.warns(UserWarning, match="Going on: DTRAIN_ALLOW_OLD_TORCH=1"):

@@ -69,7 +69,7 @@ def _run(
     close: bool = False,
 ) -> dict[str, Any]:
     """Train under `options` until optimizer step `steps`; return this rank's replica,
-    the canonical model (main rank), the strategy's report and the replica at each save."""
+    the canonical model (main rank), the strategy's figures and the replica at each save."""
     engine = dtrain.init(seed=0, **options)
     model = _model(batchnorm)
     model, optimizer = engine.setup(model, _optimizer(model))
@@ -84,7 +84,7 @@ def _run(
     result = {
         "replica": _state(engine.module),
         "canonical": engine.state_dict(),
-        "report": engine.strategy.report(),
+        "figures": engine.strategy.figures(),
         "at_save": at_save,
     }
     del model, optimizer
@@ -203,7 +203,7 @@ def test_h1_averaging_equals_ddp_under_sgd_with_momentum(runs: dict) -> None:
         assert_close(
             _params(main["h1_momentum"]["canonical"]), _params(main["ddp_momentum"]["canonical"])
         )
-        assert main["h1_momentum"]["report"]["syncs"] == 5
+        assert main["h1_momentum"]["figures"]["syncs"] == 5
 
 
 @pytest.mark.timeout(300)
@@ -221,13 +221,13 @@ def test_h4_replicas_train_alone_then_hold_the_mean_of_what_each_trained(runs: d
     }
     for rank in (0, 1):
         assert_close(two[rank]["h4_at4"]["replica"], mean)  # BatchNorm statistics too
-    assert two[0]["h4_at4"]["report"]["syncs"] == 1
+    assert two[0]["h4_at4"]["figures"]["syncs"] == 1
 
 
 @pytest.mark.timeout(300)
 def test_syncs_count_optimizer_steps_not_micro_batches(runs: dict) -> None:
     main = runs["two"][0]
-    assert main["h2_ga2"]["report"]["syncs"] == 2
+    assert main["h2_ga2"]["figures"]["syncs"] == 2
     assert_close(main["h2_ga2"]["replica"], main["h2_ga1"]["replica"])
 
 
@@ -237,7 +237,7 @@ def test_outer_sgd_at_lr_1_without_momentum_is_plain_averaging(runs: dict) -> No
     # steps 3 and 6 and the local step 7 after them.
     for rank in runs["two"]:
         assert_close(rank["outer_sgd_h3"]["replica"], rank["plain_h3"]["replica"])
-    report = runs["two"][0]["outer_sgd_h3"]["report"]
+    report = runs["two"][0]["outer_sgd_h3"]["figures"]
     assert (report["outer_lr"], report["outer_momentum"], report["syncs"]) == (1.0, 0.0, 2)
 
 
@@ -265,7 +265,7 @@ def test_plain_averaging_resumes_exactly_and_a_smaller_h_syncs_at_once(runs: dic
         assert_close(resumed, whole, rtol=0, atol=0)
         # saved 5 steps after a sync under H = 8, resumed under H = 4: it syncs at step 6
         # (not never, as an equality test of the step count would) and not again by step 7
-        assert rank["h4_from_5"]["report"]["syncs"] == 1
+        assert rank["h4_from_5"]["figures"]["syncs"] == 1
 
 
 @pytest.mark.timeout(300)

@@ -202,7 +202,7 @@ def test_the_strategys_figures_reach_the_metrics_of_any_script(
     metrics = tmp_path / "m.json"
     engine = dtrain.init(seed=0, metrics_json=str(metrics))
     figures = {"layout": "dp1 x pp2", "stages": "a / b", "stage_compute_ms": "1.5 / 2.5"}
-    monkeypatch.setattr(engine.strategy, "report", lambda: figures)
+    monkeypatch.setattr(engine.strategy, "figures", lambda: figures)
     model = DigitsMLP(hidden=4)
     engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     engine.train_step((torch.randn(4, 64), torch.randint(0, 10, (4,))), F.cross_entropy)
@@ -213,7 +213,7 @@ def test_the_strategys_figures_reach_the_metrics_of_any_script(
     assert "dtrain: measured by strategy single" in said and "stage_compute_ms" in said
 
     engine = dtrain.init(seed=0)
-    monkeypatch.setattr(engine.strategy, "report", lambda: {"layout": "dp2"})
+    monkeypatch.setattr(engine.strategy, "figures", lambda: {"layout": "dp2"})
     model = DigitsMLP(hidden=4)
     engine.setup(model, None)
     engine.close()

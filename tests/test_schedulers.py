@@ -11,7 +11,7 @@ from dtrain.cli import build_parser
 from dtrain.config import Config
 from dtrain.config.file import parse_with_config
 from dtrain.errors import ConfigError
-from dtrain.launch.schedulers import Placement, detect, expand_nodelist, slurm_port
+from dtrain.launch.schedulers import Allocation, detect, expand_nodelist, slurm_port
 from dtrain.launch.topology_flags import config_from
 
 SCHEDULER_VARIABLES = ("SLURM_", "PET_", "KUBERNETES_", "TORCHELASTIC_")
@@ -65,7 +65,7 @@ def test_a_node_list_dtrain_cannot_read_is_refused(text: str) -> None:
 
 def test_srun_gives_the_step_nodes_and_a_port_from_the_job_id() -> None:
     assert slurm_port(4321) == 29500 + 321 and slurm_port(12000) == 29500
-    assert detect(SRUN_NODE2) == Placement("Slurm", 2, 1, f"gpu07:{29500 + 321}")
+    assert detect(SRUN_NODE2) == Allocation("Slurm", 2, 1, f"gpu07:{29500 + 321}")
     assert detect({**SRUN_NODE2, "MASTER_PORT": "6000"}).master == "gpu07:6000"  # type: ignore[union-attr]
     batch_script = {k: v for k, v in SRUN_NODE2.items() if k != "SLURM_STEP_ID"}
     assert detect(batch_script) is None  # only srun's tasks are nodes of the job
@@ -81,10 +81,10 @@ def test_kubeflow_trainer_and_pytorchjob_variables() -> None:
         "PET_MASTER_PORT": "29400",
         "PET_NPROC_PER_NODE": "2",
     }
-    assert detect(trainer) == Placement("Kubeflow Trainer", 4, 3, "job-node-0-0.job:29400", 2)
+    assert detect(trainer) == Allocation("Kubeflow Trainer", 4, 3, "job-node-0-0.job:29400", 2)
     assert detect({**trainer, "PET_NPROC_PER_NODE": "auto"}).nproc is None  # type: ignore[union-attr]
     job = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": "1"}
-    assert detect({**job, "KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == Placement(
+    assert detect({**job, "KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == Allocation(
         "PyTorchJob", 2, 1, "job-master-0:23456"
     )
     assert detect(job) is None  # torchrun's variables on a laptop are no PyTorchJob

@@ -324,7 +324,7 @@ def test_shard_files_train_as_single_and_resume_at_another_world_size(tmp_path: 
 def test_the_demo_trains_the_digits_from_shards_the_cli_wrote(tmp_path: Path) -> None:
     assert "--partitions PARTITIONS" in cli_without_torch(tmp_path, "data", "write", "-h").stdout
     shards = str(tmp_path / "shards")
-    flags = ("--shard-size", "128", "--partitions", "2")
+    flags = ("--samples-per-shard", "128", "--partitions", "2")
     written = run_cli("data", "write", "--dataset", "digits", "--out", shards, *flags, cwd=tmp_path)
     assert "the 1437 training samples of digits in 2 partition(s)" in written.stdout
     metrics = demo(tmp_path, "--strategy", "ddp", "--nproc", "2", "--data", shards)

@@ -57,7 +57,7 @@ def train(
     "gpt" (the tiny GPT), "gpt:SIZE" (a GPT of another bundled size), or "bundled:NAME" (a
     bundled digits model at its shipped size).
 
-    With `with_report`, return (parameters, the strategy's report) instead. With `manual`,
+    With `with_report`, return (parameters, the strategy's figures) instead. With `manual`,
     step by hand (``engine.backward(loss); optimizer.step(); optimizer.zero_grad()``).
     `optimizer_name` picks one of OPTIMIZERS instead of the model's default. With
     `scheduler`, a StepLR halving the learning rate every step is built on the optimizer
@@ -106,7 +106,7 @@ def train(
         epoch += 1
     if checkpoint_out:
         engine.save(checkpoint_out)
-    report = engine.strategy.report() if with_report else None
+    report = engine.strategy.figures() if with_report else None
     del model, optimizer
     params = finish(engine, close)
     return (params, report) if with_report else params

@@ -12,7 +12,7 @@ from dtrain.checkpoint.format import (
     read_pt,
     write,
 )
-from dtrain.process import requirements  # noqa: F401 - refuses too old a torch before it is used
+from dtrain.process import torch_version  # noqa: F401 - refuses too old a torch before it is used
 
 __all__ = [
     "FORMAT",

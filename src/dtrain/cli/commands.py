@@ -109,10 +109,10 @@ def _data(args: argparse.Namespace) -> int:
     from dtrain.datasets import load_digits, load_text
 
     train = (load_digits if args.dataset == "digits" else load_text)()[0]
-    out = write_shards(train, args.out, args.shard_size, args.partitions, args.format)
+    out = write_shards(train, args.out, args.samples_per_shard, args.partitions, args.format)
     print(
         f"{out}: the {len(train)} training samples of {args.dataset} in {args.partitions} "
-        f"partition(s), shards of {args.shard_size} ({args.format})."
+        f"partition(s), shards of {args.samples_per_shard} ({args.format})."
     )
     return 0
 

@@ -164,7 +164,7 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="Write a bundled data set's training split as shard files in partitions.",
         description="Write the training split of --dataset into --out as shard files of "
-        "--shard-size samples in --partitions contiguous partitions, with their index.json "
+        "--samples-per-shard samples in --partitions contiguous partitions, with their index.json "
         "(replacing --out in one rename). Train from them with "
         "engine.dataloader(dtrain.ShardFiles(DIR), ...) or `dtrain demo --data DIR`, on a "
         "multiple or a divisor of --partitions data-parallel workers; with one partition "
@@ -177,7 +177,9 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
         help="The bundled data set (digits images, or byte-level text windows).",
     )
     write.add_argument("--out", type=Path, required=True, help="The directory to write.")
-    write.add_argument("--shard-size", type=int, default=256, help="Samples per shard file.")
+    write.add_argument(
+        "--samples-per-shard", type=int, default=256, help="Samples per shard file."
+    )
     write.add_argument(
         "--partitions",
         type=int,

@@ -20,12 +20,12 @@ from dtrain.errors import ConfigError
 def write_shards(
     samples: Sequence[Any],
     out_dir: str | Path,
-    shard_size: int,
+    samples_per_shard: int,
     partitions: int = 1,
     format: str = "pt",  # noqa: A002 - the index's word for it
 ) -> Path:
-    """Write `samples` (a map-style dataset or any sequence) as shard files of `shard_size`
-    samples in `partitions` contiguous partitions of near-equal size, with their
+    """Write `samples` (a map-style dataset or any sequence) as shard files of
+    `samples_per_shard` samples in `partitions` contiguous partitions of near-equal size, with their
     ``index.json``, into the directory `out_dir` (replacing it, if it holds earlier shard
     files, in one rename: a reader sees the old directory or the complete new one). Returns
     `out_dir`.
@@ -35,8 +35,10 @@ def write_shards(
     """
     if format not in FORMATS:
         raise ConfigError(f"Shard format {format!r} is unknown; use one of {', '.join(FORMATS)}.")
-    if shard_size < 1:
-        raise ConfigError(f"A shard holds at least 1 sample; got a shard size of {shard_size}.")
+    if samples_per_shard < 1:
+        raise ConfigError(
+            f"A shard file holds at least 1 sample; got {samples_per_shard} samples per shard."
+        )
     total = len(samples)
     if partitions < 1 or total < partitions:
         raise ConfigError(
@@ -57,9 +59,9 @@ def write_shards(
         start = 0
         for partition in range(partitions):
             end = start + size + (partition < rest)
-            for first in range(start, end, shard_size):
+            for first in range(start, end, samples_per_shard):
                 name = f"shard-{len(shards):05d}.{format}"
-                rows = [samples[i] for i in range(first, min(first + shard_size, end))]
+                rows = [samples[i] for i in range(first, min(first + samples_per_shard, end))]
                 try:
                     _WRITERS[format](rows, tmp / name)
                 except ValueError as e:  # numpy cannot stack samples of unequal shapes

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "global_batch_size": args.global_batch_size,
         "learning_rate": lr,
         "train_loss": last_loss,
-        **task.report(result),
+        **task.metrics(result),
         "samples_per_second": engine.throughput.samples_per_second,
         "wall_seconds": time.perf_counter() - wall_start,
     }

@@ -43,7 +43,7 @@ def loss_scaling(config: Config, strategy: Strategy) -> LossScaling | None:
 
 class StrategyFigures(Observer):
     """The strategy's own measurements at the end of the run (a pipeline's stages and their
-    compute time, the parameter servers' counters, local SGD's syncs: `strategy.report()`)
+    compute time, the parameter servers' counters, local SGD's syncs: `strategy.figures()`)
     added to the results, under `dtrain run` as under `dtrain demo`, and printed by the
     main rank when there is more to say than the layout the setup line gave."""
 
@@ -54,7 +54,7 @@ class StrategyFigures(Observer):
     def on_close(self, end: End) -> None:
         if not end.together:
             return  # the figures are gathered over every rank
-        figures = self.strategy.report()
+        figures = self.strategy.figures()
         end.results.update(figures)
         if self.is_main and figures.keys() - {"layout"}:
             table = format_table(list(figures.items()))

@@ -33,7 +33,7 @@ _LAUNCHED = ("DTRAIN_CONFIG", "TORCHELASTIC_RUN_ID")
 
 
 @dataclass(frozen=True)
-class Placement:
+class Allocation:
     """What the scheduler says about this node of the job."""
 
     scheduler: str
@@ -43,8 +43,8 @@ class Placement:
     nproc: int | None = None
 
 
-def detect(environ: Mapping[str, str] | None = None) -> Placement | None:
-    """The placement the scheduler's variables in `environ` (default: this process's)
+def detect(environ: Mapping[str, str] | None = None) -> Allocation | None:
+    """The allocation the scheduler's variables in `environ` (default: this process's)
     give, or None outside any scheduler we know."""
     env = os.environ if environ is None else environ
     if any(name in env for name in _LAUNCHED):
@@ -71,10 +71,10 @@ def _number(env: Mapping[str, str], name: str, scheduler: str) -> int:
     return int(text)
 
 
-def _kubeflow_trainer(env: Mapping[str, str]) -> Placement:
+def _kubeflow_trainer(env: Mapping[str, str]) -> Allocation:
     name = "Kubeflow Trainer"
     nproc = env.get("PET_NPROC_PER_NODE", "").strip()
-    return Placement(
+    return Allocation(
         name,
         nnodes=_number(env, "PET_NNODES", name),
         node_rank=_number(env, "PET_NODE_RANK", name) if "PET_NODE_RANK" in env else 0,
@@ -84,9 +84,9 @@ def _kubeflow_trainer(env: Mapping[str, str]) -> Placement:
     )
 
 
-def _pytorchjob(env: Mapping[str, str]) -> Placement:
+def _pytorchjob(env: Mapping[str, str]) -> Allocation:
     name = "The PyTorchJob"
-    return Placement(
+    return Allocation(
         "PyTorchJob",
         nnodes=_number(env, "WORLD_SIZE", name),
         node_rank=_number(env, "RANK", name),
@@ -94,7 +94,7 @@ def _pytorchjob(env: Mapping[str, str]) -> Placement:
     )
 
 
-def _slurm(env: Mapping[str, str]) -> Placement:
+def _slurm(env: Mapping[str, str]) -> Allocation:
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
     nodes = expand_nodelist(nodelist)
     if not nodes:
@@ -112,7 +112,7 @@ def _slurm(env: Mapping[str, str]) -> Placement:
     here = env.get("SLURMD_NODENAME")
     node_rank = nodes.index(here) if here in nodes else _number(env, "SLURM_NODEID", "Slurm")
     port = env.get("MASTER_PORT") or str(slurm_port(_number(env, "SLURM_JOB_ID", "Slurm")))
-    return Placement("Slurm", nnodes=len(nodes), node_rank=node_rank, master=f"{nodes[0]}:{port}")
+    return Allocation("Slurm", nnodes=len(nodes), node_rank=node_rank, master=f"{nodes[0]}:{port}")
 
 
 def slurm_port(job_id: int) -> int:

@@ -83,10 +83,10 @@ def config_from(args: argparse.Namespace) -> Config:
         if fewest != values["nnodes"]:
             values["min_nnodes"] = fewest
     left_out = [name for name in SCHEDULED if values[name] is None]
-    placement = schedulers.detect() if left_out else None
+    allocation = schedulers.detect() if left_out else None
     taken = False
     for name in left_out:
-        from_scheduler = getattr(placement, name, None)
+        from_scheduler = getattr(allocation, name, None)
         if from_scheduler is None or (name == "master" and (values.get("nnodes") or 1) == 1):
             del values[name]  # Config's default; one node needs no rendezvous address
         else:
@@ -95,7 +95,7 @@ def config_from(args: argparse.Namespace) -> Config:
     config = Config(**values)
     if taken and config.nnodes > 1:
         print(
-            f"dtrain: {placement.scheduler} runs this job on {config.nnodes} nodes; this is "
+            f"dtrain: {allocation.scheduler} runs this job on {config.nnodes} nodes; this is "
             f"node {config.node_rank}, the rendezvous is at {config.master}.",
             file=sys.stderr,
             flush=True,

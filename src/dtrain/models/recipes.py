@@ -44,7 +44,7 @@ class Task:
             return load_text(context=model.config.context)
         return load_digits()
 
-    def report(self, result: dict[str, float]) -> dict[str, float | None]:
+    def metrics(self, result: dict[str, float]) -> dict[str, float | None]:
         """Metrics JSON fields from `engine.evaluate`'s result."""
         loss = result.get("loss")
         if self.classes is not None:

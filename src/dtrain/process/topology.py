@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.process import requirements  # noqa: F401 - refuses too old a torch before it is used
+from dtrain.process import torch_version  # noqa: F401 - refuses too old a torch before it is used
 
 
 @dataclass(frozen=True)

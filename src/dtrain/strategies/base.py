@@ -207,7 +207,7 @@ class Strategy(CheckpointState):
         """Accumulate gradients locally, skipping synchronisation, inside the block."""
         yield
 
-    def report(self) -> dict[str, object]:
+    def figures(self) -> dict[str, object]:
         """Strategy-specific measurements for the run's metrics (call on every rank; the
         main rank gets them)."""
         return {}

@@ -192,7 +192,7 @@ class LocalSGD(Strategy):
         self.since_sync = 0
         self.syncs += 1
 
-    def report(self) -> dict[str, object]:
+    def figures(self) -> dict[str, object]:
         """H, the outer optimizer, the syncs taken, and the bytes each replica all-reduces
         per optimizer step: a sync's payload over H (ddp all-reduces the gradients, about
         the parameters' bytes, every step)."""

@@ -271,7 +271,7 @@ class MeshStrategy(Strategy):
         assert self.model is not None
         return self.model if self.pipelined else self.unwrap()
 
-    def report(self) -> dict[str, object]:
+    def figures(self) -> dict[str, object]:
         """The layout; under a pipeline, the schedule, each stage's layers and its compute
         time per step (an unbalanced split shows as one stage computing longer)."""
         out: dict[str, object] = {"layout": self.degrees.describe()}

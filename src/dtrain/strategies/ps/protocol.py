@@ -27,7 +27,7 @@ follows them finds them in.
     GET_STATE                                        reply: optimizer state (bytes)
     SET_STATE a = bytes                              payload: params + optimizer state
     STATS                                            reply: float64 counters
-    PAUSE     the worker stops stepping for a while (evaluation, checkpoint, report):
+    PAUSE     the worker stops stepping for a while (evaluation, checkpoint, figures):
               sync rounds stop counting on its gradient until it sends RESUME
     FINISH    the worker is done; the server exits once every worker is
 

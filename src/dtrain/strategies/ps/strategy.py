@@ -259,7 +259,7 @@ class ParameterServer(Strategy):
         return state_shards.merge(self.plan, self._client.params, self._client.fetch_state())
 
     # -- measurements and end --------------------------------------------------------------
-    def report(self) -> dict[str, object]:
+    def figures(self) -> dict[str, object]:
         """Counters of the servers, on the main rank (every worker must call it)."""
         if self.client is None or self.plan is None:
             return {}
