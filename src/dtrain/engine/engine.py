@@ -28,7 +28,7 @@ from dtrain.engine.job_view import JobView
 from dtrain.errors import CheckpointError, ConfigError, SetupError
 from dtrain.observe.events import End, Run
 from dtrain.observe.progress import Throughput
-from dtrain.parallel import build_record, materialize
+from dtrain.parallel import build_record
 from dtrain.parallel.build_record import BuildRecord
 from dtrain.process.logs import LOGGER
 from dtrain.process.teardown import close_at_exit, forget
@@ -121,10 +121,8 @@ class Engine(JobView, DataSide, CheckpointSide):
             check_split(optimizer, self.strategy.name, self.strategy.placement.splits_model)
             self._step_refusal = train_step_refusal(optimizer)
         kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
-        places = self.strategy.placement.places_parts
         record, self._empty_build = self._empty_build, None
-        deferred = materialize.prepare(model, record, places, self.topology.device)
-        handover = Handover(self.observers.on_forward_end, self.loss_scaling, deferred)
+        handover = Handover(self.observers.on_forward_end, self.loss_scaling, record)
         self.model, optimizer = self.strategy.setup(model, optimizer, handover)
         self.optimizer = optimizer
         if optimizer is not None:

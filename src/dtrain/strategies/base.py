@@ -18,7 +18,9 @@ from torch.optim import Optimizer
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
+from dtrain.parallel import materialize
 from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
+from dtrain.parallel.build_record import BuildRecord
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.materialize import DeferredInit
@@ -53,13 +55,13 @@ class Handover:
         forward_done: tells the Engine's observers that a micro-batch's forward computed
             its loss (`Observers.on_forward_end`).
         loss_scaling: fp16-mixed's loss scale, applied to each loss; None otherwise.
-        deferred: how to initialise the part this rank holds, when the model was built on
-            the meta device and `placement.places_parts`; None otherwise.
+        empty_build: what the model's build did inside `engine.init_empty()` (the model is
+            on the meta device), replayed to initialise it; None otherwise.
     """
 
     forward_done: Callable[[], None] = _nothing
     loss_scaling: LossScaling | None = None
-    deferred: DeferredInit | None = None
+    empty_build: BuildRecord | None = None
 
 
 class Strategy(CheckpointState):
@@ -82,6 +84,8 @@ class Strategy(CheckpointState):
         self.model: nn.Module | None = None
         self.handover = Handover()
         """What the Engine handed over with `setup`."""
+        self.deferred: DeferredInit | None = None
+        """How `wrap` initialises this rank's part of a model built on the meta device."""
         self._compute_dtype = compute_dtype(config.precision)
         self.placement = replicas(topology, self.spec.multiprocess)
         """Where the work runs (strategies/placement.py); a subclass's `__init__` replaces
@@ -99,8 +103,15 @@ class Strategy(CheckpointState):
         self, model: nn.Module, optimizer: Optimizer | None, handover: Handover
     ) -> tuple[nn.Module, Optimizer | None]:
         """Keep what the Engine hands over, then `wrap` the model (the Engine calls this
-        once; a strategy overrides `wrap`, so that none can lose the handover)."""
+        once; a strategy overrides `wrap`, so that none can lose the handover).
+
+        A model built on the meta device is materialised and initialised whole here,
+        unless this strategy places only each rank's part (`placement.places_parts`): then
+        `self.deferred` says how `wrap` initialises that part once placed."""
         self.handover = handover
+        self.deferred = materialize.prepare(
+            model, handover.empty_build, self.placement.places_parts, self.topology.device
+        )
         self.labels = label_counter(model)
         self._note_unsynced_batchnorm(model)
         return self.wrap(model, optimizer)

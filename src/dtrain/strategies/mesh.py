@@ -166,8 +166,8 @@ class MeshStrategy(Strategy):
             compile=self.config.compile or compiled,
         )
         self.model = self.parts.model
-        if self.handover.deferred is not None:  # built on the meta device: this rank's part, placed
-            self.handover.deferred.initialise(model)
+        if self.deferred is not None:  # built on the meta device: this rank's part, placed
+            self.deferred.initialise(model)
         hooks.register(self.parts.local)
         if d.tp_enabled and not d.dp_enabled:
             # Layers the plan does not split keep plain tensors beside the DTensors; a

@@ -54,8 +54,8 @@ class Placement:
     places_parts: bool = False
     """True if `setup` places only this rank's part of the model on its device (shards,
     stages, slices), so that a model built on the meta device is materialised and
-    initialised there part by part (the strategy's `deferred`); False: the Engine
-    materialises it whole on the device before `setup`."""
+    initialised there part by part (the strategy's `deferred`); False: `setup`
+    materialises it whole on the device before `wrap`."""
     collective_forward: bool = False
     """True if the model's forward is a collective over the data-parallel ranks (sharded
     parameters gathered), so every one of them must run as many forwards."""
