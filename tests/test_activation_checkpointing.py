@@ -29,7 +29,7 @@ from dtrain.parallel.activation_checkpointing import (
     apply_activation_checkpointing,
     is_checkpointed,
 )
-from dtrain.parallel.compile import compile_model
+from dtrain.parallel.preparation import Preparation
 
 SMALL = GPTConfig(context=16, dim=32, layers=4, heads=2)
 """Four blocks: `selective` checkpoints two of them, and two pipeline stages hold some."""
@@ -127,9 +127,7 @@ def saved_bytes(plain: nn.Module, mode: str, compiled: bool = False) -> int:
     checkpointed with `mode` (and compiled as --compile does, with aot_eager: traced as
     inductor traces, not code-generated)."""
     model = copy.deepcopy(plain)
-    apply_activation_checkpointing(model, mode)
-    if compiled:
-        compile_model(model, backend="aot_eager")
+    Preparation(mode, None, compiled, "aot_eager").finish(model)
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
-from dtrain.parallel.blocks import find_blocks, self_contained
 
 
 def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
@@ -38,11 +37,3 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module], backend: str = "in
         )
     for block in blocks or [model]:
         block.compile(backend=backend)
-
-
-def compile_model(
-    model: nn.Module, class_names: list[str] | None = None, backend: str = "inductor"
-) -> None:
-    """Compile `model`'s blocks in place (found as `dtrain.parallel.blocks` finds them,
-    `class_names` being ``--blocks``), for layouts that do not parallelise it."""
-    compile_blocks(model, self_contained(model, find_blocks(model, class_names)), backend)

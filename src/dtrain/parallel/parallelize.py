@@ -28,9 +28,7 @@ import torch
 from torch import nn
 
 from dtrain.config import Config
-from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.blocks import find_blocks, self_contained
-from dtrain.parallel.compile import compile_blocks
 from dtrain.parallel.compression import cast_dtype
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import microbatches
@@ -39,6 +37,7 @@ from dtrain.parallel.hf_pipeline import hf_feed
 from dtrain.parallel.hierarchical import host_groups
 from dtrain.parallel.materialize import materialize
 from dtrain.parallel.pipeline import Pipeline, PipelineModel
+from dtrain.parallel.preparation import Preparation
 from dtrain.parallel.split import (
     Stage,
     from_pp_plan,
@@ -99,13 +98,13 @@ def parallelize(
     config: Config,
     device: torch.device,
     shard: ShardOptions | None,
-    compile: bool = False,
+    preparation: Preparation,
 ) -> Parallelized:
     """Apply pp, tp and dp to `model` in the fixed order above.
 
     `shard` None replicates the data-parallel ranks (nothing to do with one); otherwise
-    they shard with these options (FSDP2 applies them even on one rank). `compile`:
-    `torch.compile` each block (`dtrain.parallel.compile`).
+    they shard with these options (FSDP2 applies them even on one rank). `preparation`
+    checkpoints and compiles the blocks (`dtrain.parallel.preparation`).
     """
     d = mesh.degrees
     plan = plan_of(model, d.tp) if d.tp_enabled else None
@@ -124,11 +123,10 @@ def parallelize(
     local = joined([stages[s] for s in sorted(stages)], model) if stages else model
     # 3b. activation checkpointing, on the whole model's blocks (those of this rank's stages
     # included), so selective picks the same blocks under every layout.
-    apply_activation_checkpointing(model, config.activation_checkpointing, config.blocks)
+    preparation.checkpoint(model)
     blocks = _blocks(units, config)
-    if compile:
-        for unit, inner in zip(units, blocks, strict=True):
-            compile_blocks(unit, inner, config.compile_backend)
+    for unit, inner in zip(units, blocks, strict=True):
+        preparation.compile_blocks(unit, inner)
     # 4. dp.
     wrapped: nn.Module = model
     if shard is not None:

@@ -19,11 +19,10 @@ from torch.optim import Optimizer
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel import materialize
-from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.build_record import BuildRecord
 from dtrain.parallel.clip import clip_grad_norm
-from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.materialize import DeferredInit
+from dtrain.parallel.preparation import unwrap
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.process.topology import Topology
 from dtrain.step.batches import (
@@ -142,12 +141,9 @@ class Strategy(CheckpointState):
         optimizer (a sharded one, or one rebuilt on new parameters) in its place. A model
         passed in compiled is unwrapped and, as with --compile, compiled block by block.
         """
-        model, compiled = unwrap_compiled(model)
+        model, preparation = unwrap(model, self.config)
         self.model = model.to(self.topology.device)
-        c = self.config
-        apply_activation_checkpointing(self.model, c.activation_checkpointing, c.blocks)
-        if c.compile or compiled:
-            compile_model(self.model, c.blocks, c.compile_backend)
+        preparation.finish(self.model)
         return self.model, optimizer
 
     def unwrap(self) -> nn.Module:

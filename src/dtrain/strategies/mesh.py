@@ -28,13 +28,13 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
 from dtrain.parallel.broadcast import broadcast_model
 from dtrain.parallel.clip import clip_grad_norm
-from dtrain.parallel.compile import unwrap_compiled
 from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.device_mesh import parallel_mesh
 from dtrain.parallel.hooks import gradient_hooks
 from dtrain.parallel.parallelize import Parallelized, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
+from dtrain.parallel.preparation import unwrap
 from dtrain.parallel.split import Stage, held_names, layout_of, rename_state
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.parallel.unused import UnusedWatch
@@ -137,7 +137,7 @@ class MeshStrategy(Strategy):
         """Start every rank from rank 0's model, then parallelise it (see
         `dtrain.parallel.parallelize`); a model passed in compiled is unwrapped first and
         compiled block by block after tensor parallelism."""
-        model, compiled = unwrap_compiled(model)
+        model, preparation = unwrap(model, self.config)
         if self.shard is not None and not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
                 f"Strategy {self.name} shards parameters, but the model has none to train; "
@@ -163,7 +163,7 @@ class MeshStrategy(Strategy):
             self.config,
             self.topology.device,
             self.shard,
-            compile=self.config.compile or compiled,
+            preparation,
         )
         self.model = self.parts.model
         if self.deferred is not None:  # built on the meta device: this rank's part, placed

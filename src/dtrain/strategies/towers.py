@@ -22,9 +22,8 @@ from torch.optim import Optimizer
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
-from dtrain.parallel.compile import compile_model, unwrap_compiled
 from dtrain.parallel.hooks import gradient_hooks
+from dtrain.parallel.preparation import unwrap
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.process.topology import Topology, use_gpus
 from dtrain.step.batches import (
@@ -206,7 +205,7 @@ class Towers(Strategy):
     def wrap(
         self, model: nn.Module, optimizer: Optimizer | None
     ) -> tuple[nn.Module, Optimizer | None]:
-        model, compiled = unwrap_compiled(model)
+        model, preparation = unwrap(model, self.config)
         devices = list(self.placement.devices)
         warn_unsynced_batchnorm(
             model,
@@ -216,11 +215,8 @@ class Towers(Strategy):
             "--strategy ddp --sync-batchnorm.",
         )
         self.model = TowerReplicas(model, devices, self.param_device, self.labels)
-        c = self.config
         for replica in self.model.replicas:
-            apply_activation_checkpointing(replica, c.activation_checkpointing, c.blocks)
-            if c.compile or compiled:
-                compile_model(replica, c.blocks, c.compile_backend)
+            preparation.finish(replica)
         return self.model, optimizer
 
     def unwrap(self) -> nn.Module:

@@ -25,10 +25,9 @@ from torch.optim import Optimizer
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.parallel.activation_checkpointing import apply_activation_checkpointing
 from dtrain.parallel.broadcast import broadcast_tensors
 from dtrain.parallel.clip import global_grad_norm
-from dtrain.parallel.compile import compile_model, unwrap_compiled
+from dtrain.parallel.preparation import unwrap
 from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.process.logs import LOGGER
 from dtrain.process.topology import Topology
@@ -104,10 +103,9 @@ class ParameterServer(Strategy):
     ) -> tuple[nn.Module, Optimizer | None]:
         check_optimizer(optimizer)
         assert optimizer is not None
-        model, compiled = unwrap_compiled(model)
+        model, preparation = unwrap(model, self.config)
         model = model.to(self.topology.device)
-        c = self.config  # checkpointing first: a refusal comes before the servers are told
-        apply_activation_checkpointing(model, c.activation_checkpointing, c.blocks)
+        preparation.checkpoint(model)  # first: a refusal comes before the servers are told
         params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         store = FlatParameters(params)
         start = handshake(Description.of(optimizer), store.host(), self.roles)
@@ -120,8 +118,7 @@ class ParameterServer(Strategy):
             model = convert_sync_batchnorm(model, self.placement.dp_group, self.topology.device)
         self.plan = start.description.plan(self.config.servers)
         self.model = model
-        if self.config.compile or compiled:
-            compile_model(model, self.config.blocks, self.config.compile_backend)
+        preparation.compile_blocks(model)
         settings = GroupSettings(start.description.settings)
         self.client = Client(
             self.plan,
