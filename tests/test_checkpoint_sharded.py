@@ -221,7 +221,8 @@ def test_verify_inspect_and_resume_know_both_formats(tmp_path: Path) -> None:
         engine = dtrain.init(strategy="single", **options)
         model = DigitsMLP(hidden=8)
         engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        engine.step = step
+        for _ in range(step):  # as optimizer steps would
+            engine.position.count_step()
         engine.save(root / f"step-{step:08d}")
         engine.close()
     newest = root / "step-00000002"

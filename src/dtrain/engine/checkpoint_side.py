@@ -292,13 +292,12 @@ class Checkpoints(Observer):
                 f"dtrain: note: {path} holds no optimizer state; the optimizer starts fresh."
             )
         self._log_skipped(path, skipped)
-        where = self.position
-        where.step = int(trainer.get("step", manifest["step"]))
-        where.epoch = int(trainer.get("epoch", manifest["epoch"]))
-        # Also what a save before the loader's next pass records.
-        where.samples_in_epoch = int(trainer.get("samples_in_epoch", 0))
-        where.resume_at = (where.epoch, where.samples_in_epoch)
-        where.shuffle_seed = trainer.get("shuffle_seed")
+        self.position.restore(
+            int(trainer.get("step", manifest["step"])),
+            int(trainer.get("epoch", manifest["epoch"])),
+            int(trainer.get("samples_in_epoch", 0)),
+            trainer.get("shuffle_seed"),
+        )
         if self.loss_scaling is not None and "loss_scaler" in trainer:
             self.loss_scaling.load_state_dict(trainer["loss_scaler"])
         me, ranks = rank_in(self.strategy.placement.train_group)
@@ -307,7 +306,8 @@ class Checkpoints(Observer):
             # Same number of processes: every rank continues its own streams; else rank 0's.
             rng.set_state(rng_states[me if len(rng_states) == ranks else 0])
         own_states.restore(path, trainer, self.strategy, self.optimizer, not skipped, self.print)
-        LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, where.step, where.epoch)
+        at = self.position
+        LOGGER.info("loaded checkpoint %s (step %d, epoch %d)", path, at.step, at.epoch)
         return manifest
 
     def _log_skipped(self, path: Path, skipped: list[str]) -> None:

@@ -141,8 +141,7 @@ class Engine(JobView, DataSide, CheckpointSide):
         return self.model, optimizer
 
     def _count_step(self, *_: Any) -> None:
-        self.position.step += 1
-        self.observers.on_optimizer_step(self.position.step)
+        self.observers.on_optimizer_step(self.position.count_step())
 
     def _skipped_step(self, hooks_ran: bool) -> None:
         """An fp16-mixed step skipped on every rank (a gradient overflowed): it counts as
@@ -195,12 +194,11 @@ class Engine(JobView, DataSide, CheckpointSide):
         step = self.position.step + 1
         loss = None
         self.observers.on_step_start(step)
-        self.position.one_batch = True  # its step trains one batch of the loader
         try:
-            loss = self._step(step, batch, loss_fn, self.optimizer)
+            with self.position.training_one_batch():
+                loss = self._step(step, batch, loss_fn, self.optimizer)
             return loss
         finally:
-            self.position.one_batch = False
             self.observers.on_step_end(step, loss)  # also when the step raised (loss None)
 
     def _step(

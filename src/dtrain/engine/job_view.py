@@ -34,10 +34,6 @@ class JobView:
         """Optimizer steps taken (restored by `load`)."""
         return self.position.step
 
-    @step.setter
-    def step(self, value: int) -> None:
-        self.position.step = value
-
     @property
     def epoch(self) -> int:
         """The epoch training is in: the training loader's pass, in any loop (restored

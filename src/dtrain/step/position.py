@@ -9,6 +9,8 @@ read with gradients on, in this thread or another) leaves the position as it fou
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dtrain.errors import SetupError
@@ -18,8 +20,8 @@ from dtrain.errors import SetupError
 class Position:
     """The run's optimizer steps and data position, shared by the Engine (which counts
     steps and commits the batches they trained), the training loader (whose passes count
-    the batches they read, `dtrain.data.resumable`) and its checkpoints (which save and restore
-    them)."""
+    the batches they read, `dtrain.data.resumable`) and its checkpoints (which save and
+    restore them). Its fields are written by its own methods only; the others read them."""
 
     step: int = 0
     """Optimizer steps taken."""
@@ -95,6 +97,33 @@ class Position:
         took is honoured, even by a pass with nothing left to read)."""
         if self._taken is not None and self._taken[0] is reader:
             self._taken = None
+
+    def restore(
+        self, step: int, epoch: int, samples_in_epoch: int, shuffle_seed: int | None
+    ) -> None:
+        """A checkpoint was loaded: training stands after `step`, `samples_in_epoch` into
+        `epoch` (also what a save before the loader's next pass records), which the next
+        training pass skips (`take_resume`)."""
+        self.step = step
+        self.epoch = epoch
+        self.samples_in_epoch = samples_in_epoch
+        self.resume_at = (epoch, samples_in_epoch)
+        self.shuffle_seed = shuffle_seed
+
+    def count_step(self) -> int:
+        """An optimizer step was taken: the count of steps, now."""
+        self.step += 1
+        return self.step
+
+    @contextlib.contextmanager
+    def training_one_batch(self) -> Iterator[None]:
+        """Inside the block, a step of `engine.train_step` runs: it trains one batch of the
+        loader (`one_batch`)."""
+        self.one_batch = True
+        try:
+            yield
+        finally:
+            self.one_batch = False
 
     def enter(self, epoch: int, per_step: int, shuffle_seed: int | None) -> None:
         """Training is now at the start of `epoch` of a loader other than dtrain's, taking
