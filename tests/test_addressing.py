@@ -10,8 +10,8 @@ import pytest
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError, LaunchError
-from dtrain.launch import addressing
-from dtrain.launch.addressing import Rendezvous, choose_interface, locate
+from dtrain.launcher import addressing
+from dtrain.launcher.addressing import Rendezvous, choose_interface, locate
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +93,7 @@ def test_a_listening_rendezvous_is_found_and_node_0_does_not_wait() -> None:
 
 
 def test_a_rendezvous_that_never_completes_says_what_to_start() -> None:
-    from dtrain.launch.failures import rendezvous_failed
+    from dtrain.launcher.failures import rendezvous_failed
 
     waited = RuntimeError("Timed out after 31 seconds waiting for clients. 1/3 clients joined.")
     static = Config(nnodes=3, master="head:29500", timeout_s=30)

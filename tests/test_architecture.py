@@ -33,13 +33,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("measurement and files", {"observe/", "checkpoint/", "data/"}),
     ("parallel core", {"parallel/"}),
     ("strategies", {"strategies/"}),
-    ("loop and launcher", {"engine/", "launch/"}),
+    ("loop and launcher", {"engine/", "launcher/"}),
     ("commands and products", {PACKAGE, "demo/", "cli/", "bench/", "plan/", "horovod/", "keras/"}),
 ]
 
 PRODUCTS = {"horovod/", "plan/", "keras/", "bench/"}
 # What runs before any process starts reaches a strategy only through its spec.
-LAUNCH_SIDE = {"launch/", "cli/", "bench/", "plan/"}
+LAUNCH_SIDE = {"launcher/", "cli/", "bench/", "plan/"}
 SPECS = "dtrain.strategies.specs"
 LEAVES = LAYERS[0][1]
 LOOP = {"engine/"}
@@ -48,21 +48,21 @@ LOOP = {"engine/"}
 RULES: list[tuple[set[str], set[str], str]] = [
     (
         {"observe/"},
-        {"strategies/", "models/", "parallel/", "launch/"},
+        {"strategies/", "models/", "parallel/", "launcher/"},
         "measurement sees tensors and timings, never how they were produced",
     ),
     (
         {"parallel/"},
-        {"strategies/", "launch/", "engine/"},
+        {"strategies/", "launcher/", "engine/"},
         "the parallel core knows no strategy, launcher or Engine",
     ),
     (
         {"checkpoint/"},
-        {"strategies/", "launch/", "engine/"},
+        {"strategies/", "launcher/", "engine/"},
         "the formats know no strategy, launcher or Engine",
     ),
-    ({"launch/"}, LOOP | {"parallel/", "models/"}, "the launcher never runs the loop"),
-    (LOOP, {"launch/"}, "the loop runs the same with or without the launcher"),
+    ({"launcher/"}, LOOP | {"parallel/", "models/"}, "the launcher never runs the loop"),
+    (LOOP, {"launcher/"}, "the loop runs the same with or without the launcher"),
 ]
 
 
@@ -292,9 +292,9 @@ PRODUCT_DOORS = {
     | {
         "dtrain.advice",
         "dtrain.process.topology",
-        "dtrain.launch.bootstrap",
-        "dtrain.launch.hosts",
-        "dtrain.launch.runner",
+        "dtrain.launcher.bootstrap",
+        "dtrain.launcher.hosts",
+        "dtrain.launcher.runner",
         "dtrain.observe.trace",
         "dtrain.parallel.sync_batchnorm",
         "dtrain.process.teardown",
@@ -318,7 +318,7 @@ PRODUCT_DOORS = {
         "dtrain.step.batches",
         "dtrain.command_names",
         "dtrain.models.recipes",
-        "dtrain.launch.hosts",
+        "dtrain.launcher.hosts",
         "dtrain.observe.metrics",
         "dtrain.observe.progress",
         SPECS,

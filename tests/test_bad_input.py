@@ -15,8 +15,8 @@ from conftest import run_cli
 from dtrain import cli
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.launch import runner
-from dtrain.launch.addressing import check_port_free
+from dtrain.launcher import runner
+from dtrain.launcher.addressing import check_port_free
 
 BAD = [
     (["demo", "--lr", "-1"], "--lr must be a finite number >= 0, got -1.0; use a rate such as"),

@@ -109,11 +109,11 @@ def test_an_alias_passes_the_light_check_and_reaches_the_launcher(tmp_path: Path
 LAZY = """
 import sys
 import dtrain
-import dtrain.launch.forked  # a submodule of dtrain/launch/ must not hide dtrain.launch
+import dtrain.launcher.forked  # the launcher package is not the function dtrain.launch
 assert "torch" not in sys.modules, "import dtrain imported torch"
 from dtrain import Engine
 assert "torch" in sys.modules
-assert callable(dtrain.launch) and dtrain.launch.__module__ == "dtrain.launch.notebook"
+assert callable(dtrain.launch) and dtrain.launch.__module__ == "dtrain.launcher.notebook"
 assert dtrain.init.__module__ == "dtrain.engine.start" and Engine is dtrain.Engine
 assert "dtrain.process.torch_version" in sys.modules, "the torch version was not checked"
 assert dtrain.available_strategies() == list(dtrain.command_names.STRATEGIES)

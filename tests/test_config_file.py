@@ -13,7 +13,7 @@ from dtrain.cli import build_parser, main
 from dtrain.config.file import parse_with_config
 from dtrain.demo import script as demo
 from dtrain.errors import ConfigError
-from dtrain.launch.topology_flags import config_from
+from dtrain.launcher.topology_flags import config_from
 
 
 def write(tmp_path: Path, text: str) -> Path:

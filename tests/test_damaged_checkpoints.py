@@ -27,8 +27,8 @@ from dtrain.checkpoint import step_path
 from dtrain.checkpoint.directory import problems_of
 from dtrain.demo import script as demo
 from dtrain.errors import CheckpointError
-from dtrain.launch import bootstrap
-from dtrain.launch.failures import format_failures
+from dtrain.launcher import bootstrap
+from dtrain.launcher.failures import format_failures
 from dtrain.models.digits import DigitsMLP
 
 FILES = ("manifest.json", "model.safetensors", "optimizer.pt", "trainer.pt")

@@ -36,7 +36,7 @@ from dtrain.datasets import load_digits
 from dtrain.demo.checks import complete_args
 from dtrain.demo.flags import check_training_args
 from dtrain.errors import DtrainError
-from dtrain.launch.topology_flags import config_from
+from dtrain.launcher.topology_flags import config_from
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -50,8 +50,8 @@ from dtrain.config import Config
 from dtrain.config.file import parse_with_config
 from dtrain.demo.flags import check_training_args
 from dtrain.errors import DtrainError, NonFiniteLossError
-from dtrain.launch.failures import format_failures
-from dtrain.launch.topology_flags import config_from
+from dtrain.launcher.failures import format_failures
+from dtrain.launcher.topology_flags import config_from
 from dtrain.models import build
 from dtrain.parallel.tensor_plan import plan_of
 from dtrain.strategies.ps.protocol import Channel

@@ -8,8 +8,8 @@ import torch
 import dtrain
 from dtrain.config import Config
 from dtrain.errors import ConfigError, NonFiniteLossError, SetupError
-from dtrain.launch.addressing import check_port_free
-from dtrain.launch.runner import check_devices
+from dtrain.launcher.addressing import check_port_free
+from dtrain.launcher.runner import check_devices
 from dtrain.models.digits import DigitsMLP
 
 

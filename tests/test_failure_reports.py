@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from dtrain import advice
 from dtrain.config import Config
-from dtrain.launch.failures import format_failures
+from dtrain.launcher.failures import format_failures
 from dtrain.strategies.ps.protocol import Channel, ParameterServerError
 from dtrain.strategies.ps.roles import Roles
 

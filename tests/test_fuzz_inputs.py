@@ -13,7 +13,7 @@ import pytest
 
 from dtrain import cli
 from dtrain.horovod import run as horovodrun
-from dtrain.launch import runner
+from dtrain.launcher import runner
 
 REFUSED = [
     ("demo --nproc 0", "--nproc must be at least 1, got 0"),

@@ -252,7 +252,7 @@ def test_strategies_it_cannot_compress_are_refused(options: dict, message: str) 
 def test_the_flag_and_the_toml_key_reach_config(tmp_path: Path) -> None:
     from dtrain.cli import build_parser
     from dtrain.config.file import parse_with_config
-    from dtrain.launch.topology_flags import config_from
+    from dtrain.launcher.topology_flags import config_from
 
     path = tmp_path / "job.toml"
     path.write_text('strategy = "ddp"\nnproc = 2\ngrad-compression = "powersgd:4"\n')

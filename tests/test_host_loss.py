@@ -149,7 +149,7 @@ def test_the_rendezvous_waits_follow_the_timeout_and_the_last_call() -> None:
     """Heartbeats: torch's 5 s for long timeouts, a twelfth of --timeout for short ones,
     1 s at least; the join wait covers the dead machine's grace and the last call."""
     from dtrain.config import Config
-    from dtrain.launch.runner import join_timeout, keep_alive_interval
+    from dtrain.launcher.runner import join_timeout, keep_alive_interval
 
     assert [keep_alive_interval(Config(timeout_s=t)) for t in (600, 30, 10, 1)] == [5, 2, 1, 1]
     assert join_timeout(Config(timeout_s=600)) == 600 + 15 + 3
@@ -161,7 +161,7 @@ def test_the_rendezvous_waits_follow_the_timeout_and_the_last_call() -> None:
 def test_a_rendezvous_host_that_stops_answering_is_reported_after_the_timeout() -> None:
     """The side watch (a cut link gives the agent no error for many minutes): silent while
     the host accepts connections, `on_lost` once none has succeeded for the timeout."""
-    from dtrain.launch.watch import _watch
+    from dtrain.launcher.watch import _watch
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

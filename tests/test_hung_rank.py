@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from dtrain.launch.failures import format_failures
-from dtrain.launch.stacks import stopped_workers_continued, where
+from dtrain.launcher.failures import format_failures
+from dtrain.launcher.stacks import stopped_workers_continued, where
 
 HANGS = """\
 import os, signal
@@ -48,7 +48,7 @@ Thread 0x00007f0000000002 (most recent call first):
 Current thread 0x00007f0000000001 (most recent call first):
   File "train.py", line 10 in <module>
   File "<frozen runpy>", line 88 in _run_code
-  File "/x/dtrain/launch/bootstrap.py", line 40 in run_target
+  File "/x/dtrain/launcher/bootstrap.py", line 40 in run_target
 """
 
 

@@ -30,8 +30,8 @@ from torch.testing import assert_close
 
 from dtrain.checkpoint import find_latest, step_path
 from dtrain.config import Config
-from dtrain.launch.failures import TIMED_OUT, format_failures
-from dtrain.launch.machines import HOST_NAME_VAR, Machine, Roster, Survey, _beacon, roster_of
+from dtrain.launcher.failures import TIMED_OUT, format_failures
+from dtrain.launcher.machines import HOST_NAME_VAR, Machine, Roster, Survey, _beacon, roster_of
 
 TIMEOUT_S = 10
 GLOO_TIMEOUT = (

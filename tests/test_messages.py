@@ -28,8 +28,8 @@ from dtrain.bench.table import PHASES, Row, format_rows, read_rows
 from dtrain.bench.trial import TrialResult, run_trial
 from dtrain.checkpoint.format import check_fit
 from dtrain.errors import CheckpointError, NonFiniteLossError, Stopped
-from dtrain.launch import forked, notebook
-from dtrain.launch import runner as launch_runner
+from dtrain.launcher import forked, notebook
+from dtrain.launcher import runner as launch_runner
 from dtrain.models.digits import DigitsMLP
 from dtrain.observe.diagnosis import diagnose
 from dtrain.observe.progress import Throughput, track

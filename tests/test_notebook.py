@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dtrain
-from dtrain.launch.forked import GRACE_S
+from dtrain.launcher.forked import GRACE_S
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

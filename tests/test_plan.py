@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dtrain.cli import build_parser, main
-from dtrain.launch.topology_flags import config_from
+from dtrain.launcher.topology_flags import config_from
 from dtrain.plan import command, costs
 from dtrain.plan.layouts import Layout, enumerate_layouts
 from dtrain.plan.links import Links, given, monotone_fit

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dtrain.cli import build_parser, main
-from dtrain.launch.topology_flags import config_from
+from dtrain.launcher.topology_flags import config_from
 from dtrain.observe.diagnosis import Job, diagnose
 from dtrain.plan import command, costs, report
 from dtrain.plan.calibrate import Calibration, StepTime

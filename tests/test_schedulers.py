@@ -11,8 +11,8 @@ from dtrain.cli import build_parser
 from dtrain.config import Config
 from dtrain.config.file import parse_with_config
 from dtrain.errors import ConfigError
-from dtrain.launch.schedulers import Allocation, detect, expand_nodelist, slurm_port
-from dtrain.launch.topology_flags import config_from
+from dtrain.launcher.schedulers import Allocation, detect, expand_nodelist, slurm_port
+from dtrain.launcher.topology_flags import config_from
 
 SCHEDULER_VARIABLES = ("SLURM_", "PET_", "KUBERNETES_", "TORCHELASTIC_")
 

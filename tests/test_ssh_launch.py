@@ -19,7 +19,7 @@ from sshd import Sshd, ssh_environment, start_sshd, why_no_sshd
 
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.launch.hosts import Host, hosts_of, parse_hosts, read_hostfile
+from dtrain.launcher.hosts import Host, hosts_of, parse_hosts, read_hostfile
 
 SCRIPT = """
 import os, sys, time
@@ -76,7 +76,7 @@ def _environment(sshd: Sshd) -> dict[str, str]:
 
 def _left_behind() -> list[str]:
     found = subprocess.run(
-        ["pgrep", "-af", "dtrain.launch.remote|train_ssh.py"], capture_output=True, text=True
+        ["pgrep", "-af", "dtrain.launcher.remote|train_ssh.py"], capture_output=True, text=True
     )
     return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from dtrain.data.shard_write import write_shards
     from dtrain.engine import Engine
     from dtrain.engine.start import init
-    from dtrain.launch.notebook import launch
+    from dtrain.launcher.notebook import launch
     from dtrain.observe.events import End, Observer, Run
     from dtrain.strategies.specs import available as available_strategies
 
@@ -43,18 +43,11 @@ _LAZY = {
     "ShardFiles": ("dtrain.data.shard_files", "ShardFiles"),
     "available_strategies": ("dtrain.strategies.specs", "available"),
     "init": ("dtrain.engine.start", "init"),
-    "launch": ("dtrain.launch.notebook", "launch"),
+    "launch": ("dtrain.launcher.notebook", "launch"),
     "write_shards": ("dtrain.data.shard_write", "write_shards"),
 }
 """The public names that import torch, loaded on first use: `dtrain --help` and the
 command line's errors import this package and must answer without torch."""
-
-# `dtrain.launch` is the function, but dtrain/launch/ is also a subpackage, and importing a
-# subpackage the first time sets the package's attribute of that name to it. Import it now
-# (it is light) and drop the attribute, so the name falls to __getattr__ and no later
-# import of dtrain.launch.* can hide the function behind the module.
-importlib.import_module("dtrain.launch")
-globals().pop("launch")
 
 
 def __getattr__(name: str) -> Any:

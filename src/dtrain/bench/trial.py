@@ -87,7 +87,7 @@ class Workload:
         """Raise ConfigError if `strategy` cannot run on `nproc` processes per machine (with
         this model's global batch), as the launcher would before starting anything."""
         from dtrain.config import Config
-        from dtrain.launch.hosts import as_nodes, hosts_of
+        from dtrain.launcher.hosts import as_nodes, hosts_of
         from dtrain.strategies.specs import lookup
 
         config = Config(strategy=strategy, nproc=nproc, hosts=self._host_slots(nproc))

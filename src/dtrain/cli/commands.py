@@ -19,8 +19,8 @@ from dtrain.config import Config
 from dtrain.config.file import parse_with_config
 from dtrain.demo.flags import check_training_args
 from dtrain.errors import ConfigError, DtrainError, exit_report
-from dtrain.launch.quiet import import_quietly
-from dtrain.launch.topology_flags import config_from
+from dtrain.launcher.quiet import import_quietly
+from dtrain.launcher.topology_flags import config_from
 
 DEMO_MODULE = "dtrain.demo"
 COMM_MODULE = "dtrain.bench.comm"
@@ -69,7 +69,7 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
         check_run(config, args)
     else:
         check_training_args(args)
-    runner = import_quietly("dtrain.launch.runner")
+    runner = import_quietly("dtrain.launcher.runner")
     out_held: AbstractContextManager[object] = nullcontext()
     if args.command == "run":
         kind = "module" if args.module else "script"
@@ -98,7 +98,7 @@ def _bench(config: Config, argv: list[str]) -> int:
         raise ConfigError(
             "dtrain bench comm times collectives between processes; give --nproc 2 or more."
         )
-    from dtrain.launch.runner import Target, launch
+    from dtrain.launcher.runner import Target, launch
 
     launch(config, Target("module", COMM_MODULE, tuple(argv[2:])))
     return 0

@@ -18,7 +18,7 @@ from dtrain.bench.comm_flags import add_args as add_comm_args
 from dtrain.config.file import add_config_arg, chosen_parser, parser_actions
 from dtrain.demo.flags import add_training_args
 from dtrain.errors import ConfigError
-from dtrain.launch.topology_flags import add_topology_args
+from dtrain.launcher.topology_flags import add_topology_args
 from dtrain.plan.flags import add_args as add_plan_args
 
 

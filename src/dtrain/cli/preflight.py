@@ -28,7 +28,7 @@ def check_demo(config: Config, args: argparse.Namespace) -> AbstractContextManag
     the outputs (on node 0, where rank 0 writes them). Returns the hold on --out (node 0's
     lock on it; nothing elsewhere), to keep for the run's life with ``with``."""
     from dtrain.demo import checks as demo_checks
-    from dtrain.launch.hosts import as_nodes, hosts_of
+    from dtrain.launcher.hosts import as_nodes, hosts_of
     from dtrain.step.batches import check_batch
     from dtrain.strategies.specs import lookup
 

@@ -23,7 +23,7 @@ from dtrain.demo.checks import complete_args
 from dtrain.demo.flags import add_training_args
 from dtrain.demo.lr import LRSchedule, scale_lr
 from dtrain.errors import ConfigError
-from dtrain.launch.topology_flags import add_topology_args
+from dtrain.launcher.topology_flags import add_topology_args
 from dtrain.models import build
 from dtrain.models.gpt import GPT
 from dtrain.models.recipes import TASKS, make_optimizer

@@ -41,8 +41,8 @@ from dtrain.horovod.elastic.horovodrun import (
 )
 from dtrain.horovod.hosts import Host, local_names, parse_hostfile, parse_hosts, this_machine
 from dtrain.horovod.output import OUTPUT_VAR
-from dtrain.launch.hosts import hosts_of
-from dtrain.launch.runner import Target, launch
+from dtrain.launcher.hosts import hosts_of
+from dtrain.launcher.runner import Target, launch
 
 API_VERSION = "0.28.1"
 """The Horovod release whose command line and PyTorch API this follows."""

@@ -17,7 +17,7 @@ import sys
 from dtrain.horovod.basics import placement, set_environment
 from dtrain.horovod.command import run_command
 from dtrain.horovod.output import OUTPUT_VAR, tee_streams
-from dtrain.launch.bootstrap import run_target
+from dtrain.launcher.bootstrap import run_target
 
 
 def main(argv: list[str]) -> None:

@@ -29,7 +29,7 @@ from dtrain.horovod import basics
 DIR_VAR = "DTRAIN_ELASTIC_DIR"
 """Environment variable: the folder commits are written to (see the module docstring)."""
 _TOKEN_VAR = "DTRAIN_JOB_TOKEN"
-"""Set by dtrain's launcher (`dtrain.launch.runner.JOB_TOKEN`)."""
+"""Set by dtrain's launcher (`dtrain.launcher.runner.JOB_TOKEN`)."""
 
 
 def folder() -> Path | None:

@@ -1,5 +1,5 @@
 """One command starts every machine: the head logs in to each host over ssh and runs
-`dtrain.launch.remote` there, which starts that host's agent and workers.
+`dtrain.launcher.remote` there, which starts that host's agent and workers.
 
 Each host gets the same Python interpreter, working directory and environment as the
 head, its node rank, and the first host's address as the rendezvous. Output comes back
@@ -23,8 +23,8 @@ from dataclasses import asdict
 
 from dtrain.config import Config
 from dtrain.errors import JOB_FAILED, ConfigError, LaunchError, Stopped
-from dtrain.launch.hosts import Host, as_nodes
-from dtrain.launch.machines import HOST_NAME_VAR
+from dtrain.launcher.hosts import Host, as_nodes
+from dtrain.launcher.machines import HOST_NAME_VAR
 
 SSH_OPTIONS_VAR = "DTRAIN_SSH_OPTS"
 """Extra ssh options for every login (e.g. ``-o UserKnownHostsFile=...``)."""
@@ -72,7 +72,7 @@ def remote_command() -> str:
     """The shell command each host runs: this interpreter, in this directory."""
     return (
         f"cd {shlex.quote(os.getcwd())} && exec {shlex.quote(sys.executable)} -u -m "
-        "dtrain.launch.remote"
+        "dtrain.launcher.remote"
     )
 
 

@@ -33,25 +33,25 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from dtrain import advice
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import OFFLOAD_NEEDS_GPUS, ConfigError, DtrainError, LaunchError, Stopped
-from dtrain.launch import addressing, bootstrap
-from dtrain.launch.failures import (
+from dtrain.launcher import addressing, bootstrap
+from dtrain.launcher.failures import (
     exit_code_of,
     format_failures,
     rendezvous_failed,
     rendezvous_host_lost,
 )
-from dtrain.launch.hosts import as_nodes, hosts_of
-from dtrain.launch.lifeline import LAUNCHER_PID, scratch_folder
-from dtrain.launch.machines import PROBE_S, gathering, roster_of
-from dtrain.launch.remote import RANK_PREFIX_VAR
-from dtrain.launch.ssh import launch_over_ssh
-from dtrain.launch.stacks import (
+from dtrain.launcher.hosts import as_nodes, hosts_of
+from dtrain.launcher.lifeline import LAUNCHER_PID, scratch_folder
+from dtrain.launcher.machines import PROBE_S, gathering, roster_of
+from dtrain.launcher.remote import RANK_PREFIX_VAR
+from dtrain.launcher.ssh import launch_over_ssh
+from dtrain.launcher.stacks import (
     STACKS_VAR,
     read_finished,
     read_stacks,
     stopped_workers_continued,
 )
-from dtrain.launch.watch import rendezvous_host_watched
+from dtrain.launcher.watch import rendezvous_host_watched
 from dtrain.process.topology import mask_devices, use_gpus
 from dtrain.strategies.specs import lookup
 

@@ -1,11 +1,11 @@
-"""One host's side of a job started over ssh (`dtrain.launch.ssh`).
+"""One host's side of a job started over ssh (`dtrain.launcher.ssh`).
 
 The head sends one JSON line on stdin: this node's Config (node rank, rendezvous),
 the target and the head's environment. Then stdin stays open as a lifeline: when it
 closes (the head hung up, died, or lost the connection) this launcher stops its agent
 and workers with SIGTERM, so no process outlives the job on any host.
 
-    python -m dtrain.launch.remote < payload
+    python -m dtrain.launcher.remote < payload
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import DtrainError, exit_report
-from dtrain.launch.quiet import import_quietly
+from dtrain.launcher.quiet import import_quietly
 from dtrain.process.teardown import exit_now
 
 RANK_PREFIX_VAR = "DTRAIN_RANK_PREFIX"
@@ -33,7 +33,7 @@ def _hang_up_on_eof() -> None:
 
 def main() -> int:
     """Read the payload, run this node's share of the job; return the exit code."""
-    runner = import_quietly("dtrain.launch.runner")
+    runner = import_quietly("dtrain.launcher.runner")
     Target, launch = runner.Target, runner.launch
     payload = json.loads(sys.stdin.readline())
     os.environ.update(payload["env"])

@@ -16,8 +16,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from dtrain import advice
 from dtrain.config import Config
-from dtrain.launch.machines import Survey
-from dtrain.launch.stacks import where
+from dtrain.launcher.machines import Survey
+from dtrain.launcher.stacks import where
 
 
 def rendezvous_failed(config: Config, error: Exception) -> str:

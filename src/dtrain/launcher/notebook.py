@@ -21,8 +21,8 @@ import torch.distributed as dist
 from dtrain.advice import COMMAND_VAR, LAUNCH
 from dtrain.config import ENV_VAR, Config
 from dtrain.errors import ConfigError, LaunchError
-from dtrain.launch.failures import killed_advice
-from dtrain.launch.forked import Child, end, fork_rank, watch
+from dtrain.launcher.failures import killed_advice
+from dtrain.launcher.forked import Child, end, fork_rank, watch
 from dtrain.strategies.specs import lookup
 
 _OK, _ERROR = b"o", b"e"
@@ -81,8 +81,8 @@ def launch(
             result, or the timeout expired; every rank has been stopped by then.
     """
     # Imported here, not with `dtrain`: each `dtrain run` worker starts as `python -m
-    # dtrain.launch.bootstrap`, and runpy warns if `import dtrain` had imported it already.
-    from dtrain.launch.runner import _threads_per_worker, free_port
+    # dtrain.launcher.bootstrap`, and runpy warns if `import dtrain` had imported it already.
+    from dtrain.launcher.runner import _threads_per_worker, free_port
 
     config = _config(strategy, nproc, options)
     spec = lookup(config.strategy)
@@ -173,7 +173,7 @@ def _outcome(body: Callable[[], Any], threads: int) -> bytes:
     try:
         result = body()
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
-        from dtrain.launch.bootstrap import describe  # already imported by the parent
+        from dtrain.launcher.bootstrap import describe  # already imported by the parent
 
         assert e.__traceback__ is not None
         return _ERROR + pickle.dumps(describe(e.with_traceback(e.__traceback__.tb_next)))

@@ -13,7 +13,7 @@ from dataclasses import fields
 from dtrain.command_names import STRATEGIES, check_strategy
 from dtrain.config import Config
 from dtrain.config.rules.choices import flag_of
-from dtrain.launch import schedulers
+from dtrain.launcher import schedulers
 
 SCHEDULED = ("nnodes", "node_rank", "master", "nproc")
 """Fields a scheduler may set; their flags default to None so that a flag given (on the

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn, TextIO
 
-from dtrain.launch.lifeline import LAUNCHER_PID, die_with_launcher
+from dtrain.launcher.lifeline import LAUNCHER_PID, die_with_launcher
 from dtrain.process import teardown
 
 GRACE_S = 5.0

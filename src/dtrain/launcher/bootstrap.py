@@ -4,8 +4,8 @@ if it raises, records the traceback (rank-tagged, user frames only) where the ag
 reads it. The file is written in one rename, and the launcher reads a damaged one as no
 report: a rank stopped while it writes must not take the launcher down with it.
 
-    python -m dtrain.launch.bootstrap script PATH [ARGS...]
-    python -m dtrain.launch.bootstrap module NAME [ARGS...]
+    python -m dtrain.launcher.bootstrap script PATH [ARGS...]
+    python -m dtrain.launcher.bootstrap module NAME [ARGS...]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from dtrain.checkpoint.atomic import write_file
 from dtrain.config import Config
 from dtrain.errors import DtrainError
-from dtrain.launch.lifeline import die_with_launcher
-from dtrain.launch.stacks import dump_on_stop, mark_finished
+from dtrain.launcher.lifeline import die_with_launcher
+from dtrain.launcher.stacks import dump_on_stop, mark_finished
 from dtrain.process.teardown import exit_now
 from dtrain.strategies.specs import lookup
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed.launcher.api as launcher_api
 
 from dtrain.config import Config
-from dtrain.launch import addressing
+from dtrain.launcher import addressing
 
 HOST_NAME_VAR = "DTRAIN_HOST_NAME"
 """Environment variable: the name this machine was given in -H or --hostfile."""

@@ -87,7 +87,7 @@ def where(stack: str, frames: int = 12) -> str:
     return "\n".join(calls[:frames])
 
 
-_HIDDEN = ("<frozen runpy>", "dtrain/launch/bootstrap.py", "/runpy.py")
+_HIDDEN = ("<frozen runpy>", "dtrain/launcher/bootstrap.py", "/runpy.py")
 
 
 @contextlib.contextmanager
