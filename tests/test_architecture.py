@@ -348,3 +348,15 @@ def test_the_products_enter_the_core_through_their_doors_only():
         and _module_named(where.rsplit(" imports ", 1)[1]) not in doors
     ]
     assert not strays, "Products that reach into the core elsewhere:\n" + "\n".join(strays)
+
+
+def test_every_package_says_what_it_holds_and_what_it_may_import():
+    silent = []
+    for init in sorted(SOURCE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if "import" not in doc:
+            silent.append(init.parent.name)
+    assert not silent, (
+        f"These packages' __init__ docstrings do not say what they may import: {silent}; add a "
+        "paragraph naming the packages each may import (docs/architecture.md, 'Layers')."
+    )

@@ -1,5 +1,10 @@
 """Portable checkpoints: directories that load under every strategy and world size,
-consolidated (one safetensors file of the whole model) or sharded (one part per rank)."""
+consolidated (one safetensors file of the whole model) or sharded (one part per rank).
+
+Measurement and files: it imports the leaves, `dtrain.config`, `dtrain.process` and
+`dtrain.observe`, never a strategy (what it asks of one is its `holder.StateHolder`
+protocol), the launcher or the Engine.
+"""
 
 from dtrain.checkpoint.directory import find_latest, latest_intact, prune, step_path
 from dtrain.checkpoint.format import (

@@ -5,6 +5,10 @@ scripts run unchanged under ``horovodrun`` (dtrain's) or ``dtrain run``; started
 plain ``python script.py`` they run as one process, as under Horovod. See docs/horovod.md
 for what is supported and what differs. Operations are negotiated by name between the
 processes, as in Horovod (see `negotiation.py`).
+
+A product: it enters the core through the public API and the doors
+docs/architecture.md names (the launcher's runner, bootstrap and hosts, the topology, sync
+batch norm, the trace, teardown).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Many processes (``dtrain run --strategy ddp --nproc N script.py``)::
 
 Importing this package before Keras selects the torch backend unless KERAS_BACKEND names
 another; the Keras extra installs it: ``pip install 'dtrain[keras]'``.
+
+A product: it enters the core through the public API, the Engine, batches and the
+data-parallel wrappers.
 """
 
 from dtrain.keras.backend import require_torch_backend

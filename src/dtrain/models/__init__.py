@@ -1,4 +1,7 @@
-"""Bundled models, by name for `dtrain demo --model NAME [--model-size SIZE]`."""
+"""Bundled models, by name for `dtrain demo --model NAME [--model-size SIZE]`.
+
+A foundation: it imports the leaves and `dtrain.datasets` (a recipe names its data).
+"""
 
 from __future__ import annotations
 

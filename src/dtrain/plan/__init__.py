@@ -15,4 +15,8 @@
 - `report` and `command`: the table, the explanation and `--json`.
 
 Only `flags` is imported by `dtrain --help`; the rest imports torch.
+
+A product: it enters the core through the public API and the doors
+docs/architecture.md names (the strategy specs, the parallel core's splitters and plans,
+the models and their recipes, batches, the sampler).
 """
