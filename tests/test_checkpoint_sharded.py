@@ -222,7 +222,7 @@ def test_verify_inspect_and_resume_know_both_formats(tmp_path: Path) -> None:
         model = DigitsMLP(hidden=8)
         engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         for _ in range(step):  # as optimizer steps would
-            engine.position.count_step()
+            engine.position.stepped(engine.step + 1, one_batch=False)
         engine.save(root / f"step-{step:08d}")
         engine.close()
     newest = root / "step-00000002"

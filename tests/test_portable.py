@@ -98,10 +98,10 @@ def test_a_damaged_checkpoint_is_refused_and_resume_falls_back(tmp_path: Path) -
     model = DigitsMLP(hidden=8)
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     root = tmp_path / "ckpts"
-    engine.position.count_step()  # as an optimizer step would
+    engine.position.stepped(1, one_batch=False)  # as an optimizer step would
     engine.save(step_path(root, 1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    engine.position.count_step()
+    engine.position.stepped(2, one_batch=False)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

@@ -141,7 +141,7 @@ class Checkpoints(Observer):
                 checkpoint.prune(path.parent, keep, written=path)
 
         group = self.strategy.placement.train_group
-        own = own_states.own_state(self.strategy, self.optimizer)
+        own = self.strategy.own_state(self.optimizer)
         if self.strategy.config.checkpoint_format == "sharded":
             part = local_part(self.strategy, self.optimizer)
             everyone = gather_objects((rng.get_state(), part.groups), group)

@@ -299,12 +299,20 @@ def _length(loader: DataLoader) -> int | None:
 
 
 class TrainedSamples(Observer):
-    """Moves the data position at each optimizer step by what the step trained
-    (`Position.stepped`); the first of the Engine's observers, so that whatever another
-    one does at that step (a checkpoint) sees the position after it."""
+    """Counts each optimizer step in the position and moves the data position by what the
+    step trained (`Position.stepped`); the first of the Engine's observers, so that
+    whatever another one does at that step (a checkpoint) sees the position after it."""
 
     def __init__(self, position: Position) -> None:
         self.position = position
+        self._in_train_step = False
+        """A step of `engine.train_step` runs: it trains one batch of the loader."""
+
+    def on_step_start(self, step: int) -> None:
+        self._in_train_step = True
+
+    def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
+        self._in_train_step = False
 
     def on_optimizer_end(self, step: int) -> None:
-        self.position.stepped()
+        self.position.stepped(step, one_batch=self._in_train_step)

@@ -141,7 +141,8 @@ class Engine(JobView, DataSide, CheckpointSide):
         return self.model, optimizer
 
     def _count_step(self, *_: Any) -> None:
-        self.observers.on_optimizer_step(self.position.count_step())
+        # The first observer counts it in the position (`TrainedSamples`).
+        self.observers.on_optimizer_step(self.position.step + 1)
 
     def _skipped_step(self, hooks_ran: bool) -> None:
         """An fp16-mixed step skipped on every rank (a gradient overflowed): it counts as
@@ -195,8 +196,7 @@ class Engine(JobView, DataSide, CheckpointSide):
         loss = None
         self.observers.on_step_start(step)
         try:
-            with self.position.training_one_batch():
-                loss = self._step(step, batch, loss_fn, self.optimizer)
+            loss = self._step(step, batch, loss_fn, self.optimizer)
             return loss
         finally:
             self.observers.on_step_end(step, loss)  # also when the step raised (loss None)

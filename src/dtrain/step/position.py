@@ -9,8 +9,6 @@ read with gradients on, in this thread or another) leaves the position as it fou
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dtrain.errors import SetupError
@@ -39,8 +37,6 @@ class Position:
     resume_at: tuple[int, int] | None = None
     """(epoch, samples) a loaded checkpoint had trained; the next training pass (a plain
     loop's or `engine.progress`'s) skips them (`take_resume`)."""
-    one_batch: bool = False
-    """A step of `engine.train_step` is running: it trains one batch of the loader."""
     _trains: TrainingPass | None = field(default=None, repr=False)
     """The pass the steps train from."""
     _newest: TrainingPass | None = field(default=None, repr=False)
@@ -110,21 +106,6 @@ class Position:
         self.resume_at = (epoch, samples_in_epoch)
         self.shuffle_seed = shuffle_seed
 
-    def count_step(self) -> int:
-        """An optimizer step was taken: the count of steps, now."""
-        self.step += 1
-        return self.step
-
-    @contextlib.contextmanager
-    def training_one_batch(self) -> Iterator[None]:
-        """Inside the block, a step of `engine.train_step` runs: it trains one batch of the
-        loader (`one_batch`)."""
-        self.one_batch = True
-        try:
-            yield
-        finally:
-            self.one_batch = False
-
     def enter(self, epoch: int, per_step: int, shuffle_seed: int | None) -> None:
         """Training is now at the start of `epoch` of a loader other than dtrain's, taking
         `per_step` samples a step, shuffled by `shuffle_seed` (``engine.progress``'s)."""
@@ -138,8 +119,9 @@ class Position:
         """The training pass `reader` yielded a batch (it counted it itself)."""
         self._newest = reader
 
-    def stepped(self) -> None:
-        """An optimizer step: commit the batches it trained.
+    def stepped(self, step: int, one_batch: bool) -> None:
+        """Optimizer step `step` was taken: count it and commit the batches it trained
+        (`one_batch`: a step of `engine.train_step`, which trains one batch of the loader).
 
         It trains from the pass it trained from before while that one holds batches read
         and not yet trained (read ahead), else from the pass that read last since the
@@ -150,6 +132,7 @@ class Position:
         read for its first step, then those read between its first and second steps (the
         batches it accumulates; a pass one batch ahead reads one more before its first).
         """
+        self.step = step
         trains, newest = self._trains, self._newest
         self._newest = None
         if newest is not None and (trains is None or trains.trained() >= trains.read):
@@ -157,7 +140,7 @@ class Position:
         if trains is None:  # engine.progress over a loader of the user's
             self.samples_in_epoch += self.samples_per_step
             return
-        trains.step(self.one_batch)
+        trains.step(one_batch)
         self.epoch = trains.epoch
         self.samples_in_epoch = trains.trained() * trains.per_step
         self.samples_per_step = trains.per_step

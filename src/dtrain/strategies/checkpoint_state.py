@@ -19,6 +19,8 @@ from torch.optim import Optimizer
 
 from dtrain.checkpoint.format import load_model, model_tensors
 from dtrain.checkpoint.optimizer_state import load_by_name, state_by_name
+from dtrain.parallel.compression import powersgd_of
+from dtrain.process.collectives import rank_in
 from dtrain.process.topology import Topology
 from dtrain.strategies.placement import Placement
 
@@ -28,6 +30,7 @@ class _Holder(Protocol):
 
     topology: Topology
     placement: Placement
+    model: nn.Module | None
 
     def unwrap(self) -> nn.Module: ...
 
@@ -85,15 +88,39 @@ class CheckpointState:
             load_by_name(optimizer, module, optimizer_state, loaded if skipped else None)
         return skipped
 
-    def replica_state(self, optimizer: Optimizer | None) -> dict[str, Any] | None:
+    def own_state(self: _Holder, optimizer: Optimizer | None) -> dict[str, Any] | None:
         """What this rank trains apart from the model and optimizer state `full_state`
-        saves (replicas that differ between syncs: local-sgd), for the trainer state of a
-        checkpoint; None, alike on every rank: nothing."""
-        return None
+        saves, for the trainer state of a checkpoint: ``{"replica": ..., "powersgd": ...}``
+        (a replica between syncs, local-sgd's; PowerSGD's error feedback, kept by the DDP
+        wrapper under --grad-compression powersgd); None, alike on every rank: nothing."""
+        powersgd = powersgd_of(self.model)
+        return None if powersgd is None else {"replica": None, "powersgd": powersgd.state_dict()}
 
-    def load_replica_state(
-        self, mine: dict[str, Any] | None, first: dict[str, Any], optimizer: Optimizer | None
-    ) -> None:
-        """After a checkpoint's model and optimizer state are loaded, restore this rank's
-        `replica_state` (`mine`; None when the job that saved it had another number of
-        ranks); `first` is the first rank's."""
+    def load_own_state(
+        self: _Holder,
+        mine: dict[str, Any] | None,
+        first: dict[str, Any] | None,
+        optimizer: Optimizer | None,
+        model_loaded: bool,
+    ) -> list[str]:
+        """After a checkpoint's model and optimizer state are loaded (`model_loaded`: the
+        whole model), continue this rank's `own_state` from `mine` (None where the job that
+        saved it had another number of ranks, or saved none); `first` is the first rank's.
+        Returns what to tell the user, each a sentence that follows the checkpoint's path.
+
+        PowerSGD state that does not fit this job (another world size or rank, or none
+        saved) is left behind: PowerSGD starts afresh, two whole steps, then compression
+        with no error feedback carried over (another job's errors belong to other ranks'
+        gradients)."""
+        powersgd = powersgd_of(self.model)
+        if powersgd is None:
+            return []
+        state = mine.get("powersgd") if mine else None
+        if powersgd.fits(state):
+            powersgd.load_state_dict(state)
+            return []
+        _, ranks = rank_in(self.placement.train_group)
+        return [
+            f"holds no PowerSGD state of {ranks} processes at rank {powersgd.rank}; PowerSGD "
+            "starts afresh (its error feedback restarts from zero)."
+        ]

@@ -252,7 +252,7 @@ class LocalSGD(Strategy):
         self.since_sync = 0
         return skipped
 
-    def replica_state(self, optimizer: Optimizer | None) -> dict[str, Any] | None:
+    def own_state(self, optimizer: Optimizer | None) -> dict[str, Any] | None:
         """This replica's optimizer state and steps since the sync, its parameters between
         syncs, and on rank 0 DiLoCo's synced model and outer optimizer state."""
         module = self.unwrap()
@@ -272,10 +272,31 @@ class LocalSGD(Strategy):
                 },
                 "param_groups": outer["param_groups"],
             }
-        return state
+        return {"replica": state, "powersgd": None}
 
     @torch.no_grad()
-    def load_replica_state(
+    def load_own_state(
+        self,
+        mine: dict[str, Any] | None,
+        first: dict[str, Any] | None,
+        optimizer: Optimizer | None,
+        model_loaded: bool,
+    ) -> list[str]:
+        """Continue this replica where it was saved; at another number of ranks (`mine`
+        None) every replica goes on from the saved model, its mean."""
+        saved = first.get("replica") if first else None
+        if saved is None or not model_loaded:
+            return []
+        own = mine["replica"] if mine else None
+        self._load_replica(own, saved, optimizer)
+        if own is not None or not saved.get("since_sync"):
+            return []
+        return [
+            "was saved by replicas between two syncs at another number of ranks; the "
+            f"{self.placement.dp_size} replicas now start from their mean, as after a sync."
+        ]
+
+    def _load_replica(
         self, mine: dict[str, Any] | None, first: dict[str, Any], optimizer: Optimizer | None
     ) -> None:
         module = self.unwrap()
