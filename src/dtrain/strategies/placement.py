@@ -2,10 +2,11 @@
 
 A runtime strategy holds one :class:`Placement` as `strategy.placement`. Its `__init__`
 builds it (the base class :func:`replicas`, a subclass replaces the fields that differ),
-from the config, the topology and the mesh it builds there. One value is known only
+from the config, the topology and the mesh it builds there. Two values are known only
 later: under ps, the workers' process group comes from the handshake in `setup`, which
-then replaces `dp_group` and `train_group`. So read `strategy.placement` where it is
-used, rather than keeping it from before `setup`.
+then replaces `dp_group` and `train_group`. So read the groups from `strategy.placement`
+where they are used, never keep them from before `setup`; the sizes, ranks, devices and
+flags are final from `__init__` and may be kept (the Engine's feeder and summary do).
 """
 
 from __future__ import annotations
