@@ -30,8 +30,8 @@ def demo(tmp_path: Path, *flags: str, name: str = "run") -> dict:
 
 @pytest.mark.parametrize(
     "flags",
-    [("--strategy", "single"), ("--strategy", "towers"), ("--strategy", "ddp", "--nproc", "2")],
-    ids=["single", "towers", "ddp2"],
+    [("--strategy", "towers"), ("--strategy", "ddp", "--nproc", "2")],
+    ids=["towers", "ddp2"],
 )
 def test_demo_reaches_95_percent(tmp_path: Path, flags: tuple[str, ...]) -> None:
     metrics = demo(tmp_path, *flags)

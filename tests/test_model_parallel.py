@@ -209,7 +209,7 @@ def test_demo_trains_the_gpt_under_hybrid(tmp_path: Path) -> None:
     flags = ("--strategy", "hybrid", "--nproc", "4", "--pp", "2", "--tp", "2")
     metrics = tmp_path / "m.json"
     proc = run_cli(
-        "demo", "--model", "gpt", "--epochs", "2", *flags, "--out", str(tmp_path),
+        "demo", "--model", "gpt", "--steps", "6", *flags, "--out", str(tmp_path),
         "--metrics-json", str(metrics), cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -218,4 +218,4 @@ def test_demo_trains_the_gpt_under_hybrid(tmp_path: Path) -> None:
     assert result["layout"] == "dp1 x pp2 x tp2"
     assert result["stages"] == "embed+blocks.0 / blocks.1+head"
     assert all(float(ms) > 0 for ms in result["stage_compute_ms"].split(" / "))
-    assert result["test_perplexity"] < 40
+    assert result["test_perplexity"] < 100  # it learns: an untrained model's is about 256
