@@ -37,8 +37,7 @@ def loss_scaling(config: Config, strategy: Strategy) -> LossScaling | None:
     if config.precision != "fp16-mixed":
         return None
     distributed = strategy.spec.multiprocess and dist.is_initialized()
-    placement = strategy.placement
-    return LossScaling(placement.input_device, placement.train_group, distributed)
+    return LossScaling(strategy.placement.input_device, distributed)
 
 
 class StrategyFigures(Observer):

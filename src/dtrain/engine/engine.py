@@ -125,6 +125,8 @@ class Engine(JobView, DataSide, CheckpointSide):
         handover = Handover(self.observers.on_forward_end, self.loss_scaling, record)
         self.model, optimizer = self.strategy.setup(model, optimizer, handover)
         self.optimizer = optimizer
+        if self.loss_scaling is not None:  # the group, read once setup made it
+            self.loss_scaling.join(self.strategy.placement.train_group)
         if optimizer is not None:
             # Counts the step, then tells the observers (the dispatcher hooks its start).
             optimizer.register_step_post_hook(self._count_step)

@@ -56,14 +56,13 @@ class LossScaling:
 
     Args:
         device: where the losses are (the scale is kept there).
-        group: the processes that step together, whose found-inf flags are combined;
-            None with `distributed`: the default group.
-        distributed: True if several processes train the model (the flag is agreed).
+        distributed: True if several processes train the model (the flag is agreed over
+            the default group, or the group `join` names once setup made it).
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None, distributed: bool):
+    def __init__(self, device: torch.device, distributed: bool):
         self.scaler = (
-            ShardedGradScaler(device.type, process_group=group)
+            ShardedGradScaler(device.type, process_group=None)
             if distributed
             else torch.amp.GradScaler(device.type)
         )
@@ -77,6 +76,13 @@ class LossScaling:
         self._unscaled = False
         self._in_scaler = False
         self._updated = False
+
+    def join(self, group: dist.ProcessGroup | None) -> None:
+        """Agree the found-inf flags over `group`, the processes that step together, read
+        once the strategy's setup made it (a parameter server's workers exist only after
+        its handshake); None: the default group."""
+        if isinstance(self.scaler, ShardedGradScaler):
+            self.scaler.process_group = group
 
     @property
     def scale_value(self) -> float:

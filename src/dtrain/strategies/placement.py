@@ -6,7 +6,8 @@ from the config, the topology and the mesh it builds there. Two values are known
 later: under ps, the workers' process group comes from the handshake in `setup`, which
 then replaces `dp_group` and `train_group`. So read the groups from `strategy.placement`
 where they are used, never keep them from before `setup`; the sizes, ranks, devices and
-flags are final from `__init__` and may be kept (the Engine's feeder and summary do).
+flags are final from `__init__` and may be kept (the Engine's feeder and summary do;
+fp16's loss scaling joins the training group at the end of setup).
 """
 
 from __future__ import annotations
