@@ -260,12 +260,12 @@ def _module_level(path: Path) -> list[str]:
     return found
 
 
-def test_the_strategy_specs_import_no_torch():
-    """Importing the specs runs only modules that import no torch at module level (a
-    package's __init__.py included), so the launcher's checks cost no torch import."""
+def _module_level_reach(start: str) -> tuple[set[str], list[str]]:
+    """(the dtrain modules that importing `start` runs, a package's __init__.py included;
+    "FILE imports NAME" for every outside module they import at module level)."""
     seen: set[str] = set()
-    todo = [SPECS]
-    heavy = []
+    todo = [start]
+    outside = []
     while todo:
         parts = todo.pop().split(".")
         for module in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
@@ -274,12 +274,29 @@ def test_the_strategy_specs_import_no_torch():
                 continue
             seen.add(module)
             for imported_name in _module_level(path):
-                if imported_name.split(".")[0] == "torch":
-                    heavy.append(f"{path.relative_to(SOURCE)} imports {imported_name}")
-                elif imported_name.startswith("dtrain."):
+                if imported_name.startswith("dtrain."):
                     todo.append(imported_name)
+                else:
+                    outside.append(f"{path.relative_to(SOURCE)} imports {imported_name}")
+    return seen, outside
+
+
+def test_the_strategy_specs_import_no_torch():
+    """Importing the specs runs only modules that import no torch at module level (a
+    package's __init__.py included), so the launcher's checks cost no torch import."""
+    seen, outside = _module_level_reach(SPECS)
+    heavy = [line for line in outside if line.split(" imports ")[1].split(".")[0] == "torch"]
     assert "dtrain.parallel.degrees" in seen and "dtrain.strategies.base" not in seen
     assert not heavy, "Importing the strategy specs imports torch: " + ", ".join(heavy)
+
+
+def test_the_launcher_starts_without_dtensor():
+    """The launcher (and each process's bootstrap) imports none of torch's modules that
+    bring DTensor: torch.distributed.checkpoint alone adds about 0.6 s to every start."""
+    heavy = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp")
+    _, outside = _module_level_reach("dtrain.launcher.bootstrap")
+    found = [line for line in outside if line.split(" imports ")[1].startswith(heavy)]
+    assert not found, "The launcher imports DTensor: " + ", ".join(found)
 
 
 # The only core modules each product reaches into: the core's public API (`dtrain`,
