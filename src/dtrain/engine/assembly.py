@@ -120,6 +120,9 @@ def release(strategy: Strategy, wrapped: weakref.ref[nn.Module] | None) -> None:
     wrapped model (`wrapped`, which the caller no longer holds) is gone: destroying the
     group under a live DDP object can abort the process on gloo."""
     strategy.close()
-    gc.collect()
-    if dist.is_initialized() and (wrapped is None or wrapped() is None):
+    if not dist.is_initialized():
+        return
+    if wrapped is None or wrapped() is not None:
+        gc.collect()  # a reference cycle may be all that still holds the model
+    if wrapped is None or wrapped() is None:
         dist.destroy_process_group()
