@@ -75,6 +75,19 @@ def timed_with_cpu(
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def pipeline_step(schedule: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """One step of a `torch.distributed.pipelining` schedule with one stage per rank: the
+    first rank feeds the inputs, the last the targets (its losses kept)."""
+    x, y = batch
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=y, losses=[])
+    else:
+        schedule.step()
+
+
 def _settle() -> None:
     """Wait for every rank, and on a GPU for the work queued on it, before a clock read."""
     if torch.cuda.is_initialized():

@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from harness import alternate, arguments, launch, report, timed
+from harness import alternate, arguments, launch, pipeline_step, report, timed
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.utils.data import DataLoader, TensorDataset
@@ -42,13 +42,7 @@ def plain_pipeline_run(args: argparse.Namespace, data: TensorDataset) -> float:
     loader = DataLoader(data, batch_size=args.global_batch_size, shuffle=True, drop_last=True)
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        x, y = batch
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y, losses=[])
-        else:
-            schedule.step()
+        pipeline_step(schedule, batch)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
