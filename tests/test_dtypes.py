@@ -179,7 +179,24 @@ class ComplexNet(nn.Module):
         return out.real + out.imag
 
 
-MODELS = {"rotary": Rotary, "complex": ComplexNet}
+class Counted(nn.Module):
+    """A linear layer scaled by the parity of an int16 buffer that each forward counts up
+    (and of a uint8 one): gloo has no int16 type, so DDP's own buffer broadcast before
+    each forward cannot send it. Every rank starts from its own count (its seed)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(CLASSES, FEATURES, generator=g) * 0.3)
+        self.register_buffer("calls", torch.tensor([seed], dtype=torch.int16))
+        self.register_buffer("flag", torch.tensor([seed % 3], dtype=torch.uint8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return (x @ self.w.T) * (1 + self.calls % 2) * (1 + self.flag)
+
+
+MODELS = {"rotary": Rotary, "complex": ComplexNet, "counted": Counted}
 CLIP = 0.05
 """Below every step's gradient norm: clipping changes every update."""
 
@@ -257,6 +274,7 @@ def dtypes_job(root: str) -> dict[str, Any]:
             "local-sgd": {"strategy": "local-sgd", "sync_every": 1},
         }.items()
     }
+    results["ddp counted"] = train_small("counted", close=False, strategy="ddp")
     for strategy, checkpoint_format in (("ddp", "consolidated"), ("zero3", "sharded")):
         results[f"{strategy} loads"] = load_every_dtype(
             Path(root), close=False, strategy=strategy, checkpoint_format=checkpoint_format
@@ -273,6 +291,7 @@ def single() -> dict[str, Any]:
     return {
         "rotary": train_small(strategy="single"),
         "complex": train_small("complex", strategy="single", clip_grad_norm=CLIP),
+        "counted": train_small("counted", strategy="single"),
     }
 
 
@@ -335,3 +354,12 @@ def test_single_loads_what_ddp_and_zero3_saved_bit_exactly(job: tuple) -> None:
         engine.load(root / saved)
         assert_identical(state(engine.module), expected)
         engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_ddp_syncs_buffers_of_dtypes_the_backend_lacks_as_single(
+    job: tuple, single: dict[str, Any]
+) -> None:
+    """An int16 buffer counted up by each forward: DDP's broadcast before each forward
+    would fail inside gloo; dtrain sends it as bytes, so every rank counts as single."""
+    check_run(job[0], "ddp counted", single["counted"])

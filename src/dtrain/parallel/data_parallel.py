@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import OFFLOAD_NEEDS_GPUS, ConfigError
+from dtrain.parallel.broadcast import broadcast_bytes
 from dtrain.parallel.compression import cast_dtype, register_compression
 from dtrain.parallel.hierarchical import HostGroups, hierarchical_hook
 from dtrain.parallel.materialize import materialize
@@ -88,7 +89,9 @@ def apply_ddp(
     applies a cast --grad-compression itself), else compressed by `grad_compression`
     (`dtrain.parallel.compression`). `find_unused_parameters`: DDP's option of that name.
     `init_sync`: broadcast rank 0's parameters and buffers first (False where
-    `dtrain.parallel.broadcast` already did)."""
+    `dtrain.parallel.broadcast` already did). Buffers of a dtype the backend has no type
+    for (an int16 counter) travel as raw bytes, at the same moments as DDP's own."""
+    uncarried = _buffers_as_bytes(model, group)
     wrapped = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -96,11 +99,53 @@ def apply_ddp(
         init_sync=init_sync,
         find_unused_parameters=find_unused_parameters,
     )
+    if uncarried:
+        src = dist.get_global_rank(group, 0)
+
+        def send_buffers() -> None:
+            for buffer in uncarried:
+                broadcast_bytes(buffer, src, group)
+
+        if init_sync:  # DDP's first broadcast leaves them out too
+            send_buffers()
+        # As DDP syncs its own buffers: before each forward that builds a graph.
+        model.register_forward_pre_hook(
+            lambda *args: send_buffers() if torch.is_grad_enabled() else None
+        )
     if hosts is not None:
         wrapped.register_comm_hook(hosts, hierarchical_hook)
     else:
         register_compression(wrapped, group, grad_compression)
     return wrapped
+
+
+CARRIED = {
+    torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex64, torch.complex128,
+}  # fmt: skip
+"""The dtypes DDP's own buffer broadcast can send over gloo and NCCL (gloo has no int16,
+uint16, uint32, uint64 or float8)."""
+
+
+def _buffers_as_bytes(model: nn.Module, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """`model`'s buffers of a dtype outside CARRIED, which DDP is told to leave alone (its
+    broadcast before each forward would fail inside the backend); the caller broadcasts
+    them as raw bytes in their place, as DDP would. Non-contiguous ones cannot be viewed
+    as bytes: refused by name."""
+    names = [n for n, b in model.named_buffers() if b.dtype not in CARRIED]
+    if not names or dist.get_world_size(group) == 1:
+        return []
+    buffers = dict(model.named_buffers())
+    for name in names:
+        if not buffers[name].is_contiguous():
+            raise ConfigError(
+                f"The buffer {name} ({buffers[name].dtype}) is not contiguous, so ddp cannot "
+                "send it as raw bytes (the backend has no type for it); make it contiguous "
+                "(.contiguous()) or hold it as int32 or int64."
+            )
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    return [buffers[name] for name in names]
 
 
 def apply_replicate(
