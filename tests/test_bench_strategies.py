@@ -241,3 +241,12 @@ def test_trials_across_hosts_start_every_machine_with_its_processes(tmp_path: Pa
     assert command[at : at + 4] == ["-H", "a:2,b:2", "--ssh-port", "2222"]
     assert "--nproc" not in command
     workload.check("ddp", 2)  # 4 processes: the default global batch of 64 divides
+
+
+def test_an_earlier_benchs_results_are_never_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bench.json").write_text("{}")
+    assert cli.main(["bench", *GRID, "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} already holds an earlier bench's results" in capsys.readouterr().err
+    assert (tmp_path / "bench.json").read_text() == "{}"

@@ -192,3 +192,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}.")
+    earlier = [name for name in ("bench.json", "bench.csv") if (args.out / name).exists()]
+    if earlier:
+        raise ConfigError(
+            f"--out {args.out} already holds an earlier bench's results ({', '.join(earlier)}, "
+            "its plots and logs), which this one would replace. Give another --out (such as "
+            f"{args.out}-2), or move {args.out} away first."
+        )
