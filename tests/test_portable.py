@@ -3,6 +3,7 @@ worker survived by restarting from the last checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -56,9 +57,14 @@ def test_plain_pytorch_files_load_whatever_wrote_them(
 
 def test_convert_both_ways_and_inspect(tmp_path: Path, weights: dict) -> None:
     src = tmp_path / "ddp.pt"
-    torch.save({"epoch": 2, "state_dict": {f"module.{k}": v for k, v in weights.items()}}, src)
+    prefixed = {f"module.{k}": v for k, v in weights.items()}
+    torch.save({"epoch": 2, "state_dict": prefixed, "optim_dict": {"state": {}}}, src)
     ckpt, back = tmp_path / "ckpt", tmp_path / "back.pt"
-    assert run_ckpt("convert", str(src), str(ckpt)).returncode == 0
+    converted = run_ckpt("convert", str(src), str(ckpt))
+    assert converted.returncode == 0
+    # The epoch travels (a resume starts it); what could not, the message names.
+    assert "at epoch 2" in converted.stdout and "Left behind: 'optim_dict'" in converted.stdout
+    assert json.loads((ckpt / "manifest.json").read_text())["epoch"] == 2
     assert run_ckpt("verify", str(ckpt)).returncode == 0
     inspect = run_ckpt("inspect", str(ckpt))
     assert "imported" in inspect.stdout and "net.1.weight" in inspect.stdout

@@ -4,7 +4,11 @@ sharded checkpoints to the consolidated layout, offline, in one process."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from dtrain.checkpoint.canonical import canonical_name
 from dtrain.checkpoint.format import (
     TRAINER_FILE,
     is_sharded,
@@ -13,7 +17,7 @@ from dtrain.checkpoint.format import (
     read_pt,
     write,
 )
-from dtrain.checkpoint.plain import read_model_state, write_plain
+from dtrain.checkpoint.plain import find_model_state, read_file, write_plain
 from dtrain.checkpoint.rank_states import gathered
 from dtrain.checkpoint.sharded_load import read_whole
 from dtrain.checkpoint.verify import verify
@@ -70,18 +74,53 @@ def _consolidate(src: Path, dst: Path, manifest: dict) -> str:
 
 
 def _from_plain(src: Path, dst: Path) -> str:
-    tensors = read_model_state(src)
+    content = read_file(src)
+    tensors = find_model_state(content, src)
     if dst.suffix in PLAIN_SUFFIXES:
         write_plain(dst, tensors)
         return f"Wrote {len(tensors)} tensors of {src} to {dst} under canonical names."
+    epoch = _epoch_of(content)
     info = {
         "step": 0,
-        "epoch": 0,
+        "epoch": epoch,
         "strategy": "imported",
         "world_size": 1,
         "source": str(src),
         "model_class": None,
         "optimizer": None,
     }
-    write(dst, tensors, None, {"step": 0, "epoch": 0, "samples_in_epoch": 0}, info)
-    return f"Wrote {len(tensors)} tensors of {src} to the checkpoint {dst}."
+    write(dst, tensors, None, {"step": 0, "epoch": epoch, "samples_in_epoch": 0}, info)
+    said = f"Wrote {len(tensors)} tensors of {src} to the checkpoint {dst}"
+    if epoch:
+        said += f", at epoch {epoch} (a resume starts that epoch from its first batch)"
+    left = _left_behind(content, tensors)
+    if left:
+        said += f". Left behind: {', '.join(left)}"
+        if any("optim" in name.lower() for name in left):
+            said += (
+                " (a plain file keys an optimizer's state by position, not by parameter name, "
+                "so it cannot be placed: the optimizer starts afresh)"
+            )
+    return said + "."
+
+
+def _epoch_of(content: Any) -> int:
+    """The file's ``epoch`` (a non-negative int at the top of a saved dict), else 0. Loops
+    written after PyTorch's ImageNet example save the epoch to start next (``'epoch':
+    epoch + 1``, read back as ``start_epoch``), which is what a checkpoint's epoch means."""
+    epoch = content.get("epoch") if isinstance(content, dict) else None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch > 0 else 0
+
+
+def _left_behind(content: Any, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The entries of a saved dict that the converted checkpoint does not hold (all but
+    the model state and the epoch)."""
+    if not isinstance(content, dict) or all(isinstance(v, torch.Tensor) for v in content.values()):
+        return []
+    names = set(tensors)
+    return [
+        repr(key)
+        for key, value in content.items()
+        if key != "epoch"
+        and not (isinstance(value, dict) and {canonical_name(str(n)) for n in value} == names)
+    ]
