@@ -144,7 +144,9 @@ def _buffers_as_bytes(model: nn.Module, group: dist.ProcessGroup) -> list[torch.
                 "send it as raw bytes (the backend has no type for it); make it contiguous "
                 "(.contiguous()) or hold it as int32 or int64."
             )
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    # Added to any the script told DDP to leave alone itself.
+    own = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, own + names)
     return [buffers[name] for name in names]
 
 
