@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import OFFLOAD_NEEDS_GPUS, ConfigError
-from dtrain.parallel.broadcast import broadcast_bytes
+from dtrain.parallel.broadcast import broadcast_tensors
 from dtrain.parallel.compression import cast_dtype, register_compression
 from dtrain.parallel.hierarchical import HostGroups, hierarchical_hook
 from dtrain.parallel.materialize import materialize
@@ -100,17 +100,13 @@ def apply_ddp(
         find_unused_parameters=find_unused_parameters,
     )
     if uncarried:
-        src = dist.get_global_rank(group, 0)
-
-        def send_buffers() -> None:
-            for buffer in uncarried:
-                broadcast_bytes(buffer, src, group)
-
         if init_sync:  # DDP's first broadcast leaves them out too
-            send_buffers()
+            broadcast_tensors(uncarried, group, device)
         # As DDP syncs its own buffers: before each forward that builds a graph.
         model.register_forward_pre_hook(
-            lambda *args: send_buffers() if torch.is_grad_enabled() else None
+            lambda *args: (
+                broadcast_tensors(uncarried, group, device) if torch.is_grad_enabled() else None
+            )
         )
     if hosts is not None:
         wrapped.register_comm_hook(hosts, hierarchical_hook)
@@ -131,23 +127,15 @@ uint16, uint32, uint64 or float8)."""
 def _buffers_as_bytes(model: nn.Module, group: dist.ProcessGroup) -> list[torch.Tensor]:
     """`model`'s buffers of a dtype outside CARRIED, which DDP is told to leave alone (its
     broadcast before each forward would fail inside the backend); the caller broadcasts
-    them as raw bytes in their place, as DDP would. Non-contiguous ones cannot be viewed
-    as bytes: refused by name."""
-    names = [n for n, b in model.named_buffers() if b.dtype not in CARRIED]
-    if not names or dist.get_world_size(group) == 1:
+    them as raw bytes in their place, as DDP would (`dtrain.parallel.broadcast`, which
+    sends any dtype, contiguous or not)."""
+    buffers = {n: b for n, b in model.named_buffers() if b.dtype not in CARRIED}
+    if not buffers or dist.get_world_size(group) == 1:
         return []
-    buffers = dict(model.named_buffers())
-    for name in names:
-        if not buffers[name].is_contiguous():
-            raise ConfigError(
-                f"The buffer {name} ({buffers[name].dtype}) is not contiguous, so ddp cannot "
-                "send it as raw bytes (the backend has no type for it); make it contiguous "
-                "(.contiguous()) or hold it as int32 or int64."
-            )
     # Added to any the script told DDP to leave alone itself.
     own = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, own + names)
-    return [buffers[name] for name in names]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, own + list(buffers))
+    return list(buffers.values())
 
 
 def apply_replicate(
