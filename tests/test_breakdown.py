@@ -19,7 +19,8 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPTConfig
 from dtrain.observe import flops
-from dtrain.observe.breakdown import PHASES
+from dtrain.observe.breakdown import PHASES, StepTimer
+from dtrain.observe.clock import HostClock, Mark
 from dtrain.observe.diagnosis import diagnose, table
 from dtrain.observe.flops import flops_per_token, gpt_throughput
 from dtrain.observe.trace import trace_events
@@ -123,6 +124,43 @@ def test_each_rule_names_its_cause_with_the_figures() -> None:
     full = diagnose([quiet], memory=[(95 * 2**30, 100 * 2**30)])
     assert full[0]["cause"] == "memory" and full[0]["rank"] == 0
     assert "dtrain: what to change" in table([chatty], causes)
+
+
+class TickClock(HostClock):
+    """A clock whose n-th mark reads n seconds."""
+
+    def __init__(self) -> None:
+        self.origin = 0.0
+        self.ticks = 0
+
+    def mark(self, again: Mark | None = None) -> Mark:
+        self.ticks += 1
+        return float(self.ticks)
+
+
+def test_a_step_marks_its_last_gradient_once_the_count_is_known() -> None:
+    clock = TickClock()
+    timer = StepTimer(clock)
+
+    def step(number: int, gradients: int) -> int:
+        timer.begin_step(number)
+        timer.begin_micro()
+        timer.forward_done()
+        before = clock.ticks
+        for _ in range(gradients):
+            timer.grad_ready()
+        marks = clock.ticks - before
+        timer.end_micro()
+        return marks
+
+    assert step(1, 3) == 3  # no count yet: every gradient marks, the last one wins
+    assert step(2, 3) == 1  # one mark a step, at the last gradient
+    assert step(3, 2) == 0  # fewer than counted: no mark, the backward runs to its end
+    assert step(4, 3) == 2  # counted 2 now: the 2nd and the 3rd mark
+    timer.begin_step(5)
+    timer.collect()
+    assert list(timer.times["backward"]) == [3.0, 1.0, 1.0, 2.0]
+    assert list(timer.times["communication"]) == [1.0, 1.0, 0.0, 1.0]
 
 
 def test_trace_events_are_chrome_complete_events() -> None:

@@ -35,8 +35,8 @@ class Recorder(Observer):
     def on_step_start(self, step: int) -> None:
         self.events.append(("start", step))
 
-    def on_micro_start(self, batch: Any) -> None:
-        self.events.append(("micro", batch_size(batch)))
+    def on_micro_start(self, samples: int) -> None:
+        self.events.append(("micro", samples))
 
     def on_forward_start(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
         args, kwargs = call

@@ -221,7 +221,7 @@ class Engine(JobView, DataSide, CheckpointSide):
         mean: torch.Tensor | int = 0
         for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             sync = contextlib.nullcontext() if i == k - 1 else self.strategy.no_sync()
-            self.observers.on_micro_start(part)
+            self.observers.on_micro_start(total if k == 1 else batch_size(part))
             with sync:
                 loss = self.strategy.forward_backward(part, loss_fn, weight)
             self.observers.on_micro_end()

@@ -46,6 +46,8 @@ class _Micro:
     forward: Mark | None = None
     grad: Mark | None = None
     end: Mark | None = None
+    grads: int = 0
+    """Gradients accumulated so far."""
 
 
 @dataclass
@@ -91,13 +93,25 @@ class StepTimer:
         """Spans of the traced steps."""
         self._open: list[_Step] = []
         self._micro: _Micro | None = None
+        self._grads_per_micro = 0
+        """Gradients the last finished micro-batch accumulated (0: none finished yet)."""
 
     # -- marks (the hot path: no host synchronisation) ----------------------------------
     def grad_ready(self) -> None:
         """A parameter's gradient is ready: the last call of a micro-batch marks its
-        "last gradient ready"."""
+        "last gradient ready".
+
+        Which call is the last is known from the micro-batch before (the count of its
+        calls): only that one marks, so that a step records one CUDA event for it, not one
+        per parameter. Until a micro-batch has been counted, and past the count, every
+        call marks again (the last record wins); a backward that accumulates fewer
+        gradients than the one before leaves its mark unset (its backward then runs to its
+        end) and sets the count for the next."""
         micro = self._micro
-        if micro is not None:
+        if micro is None:
+            return
+        micro.grads += 1
+        if micro.grads >= self._grads_per_micro:
             micro.grad = self.clock.mark(micro.grad)
 
     def begin_step(self, number: int) -> None:
@@ -125,6 +139,7 @@ class StepTimer:
         """The micro-batch's backward (with its gradient synchronisation) returned."""
         if self._micro is not None:
             self._micro.end = self.clock.mark()
+            self._grads_per_micro = self._micro.grads
             self._micro = None
 
     def optimizer_mark(self) -> None:

@@ -1,11 +1,11 @@
 """The loss, watched on the device and read back only every few steps.
 
 Reading a CUDA tensor on the host (`.item()`) makes the CPU wait for every kernel queued
-before it, so a read per step serialises the host with the device. The watch copies each
-step's loss into a slot of a small device buffer (one copy, no host synchronisation) and
-reads the buffer back in one transfer when asked: at the logging interval, before a
-checkpoint, at the end of an epoch. The host then finds the first non-finite loss, if any,
-and the step it belongs to.
+before it, so a read per step serialises the host with the device. The watch keeps each
+step's loss tensor (detached: no copy, no kernel, no host synchronisation) and reads them
+back in one transfer when asked: at the logging interval, before a checkpoint, at the end
+of an epoch. The host then finds the first non-finite loss, if any, and the step it
+belongs to.
 """
 
 from __future__ import annotations
@@ -21,14 +21,9 @@ from dtrain.errors import NonFiniteLossError
 class LossWatch:
     """The losses of the steps since the last read, kept on the device."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        """Steps between reads the buffer holds before it grows (--log-every)."""
-        self._buffer: torch.Tensor | None = None
-        self._first_step = 0
-        """The step of slot 0."""
-        self._count = 0
-        """Slots filled since the last read."""
+    def __init__(self) -> None:
+        self._losses: dict[int, torch.Tensor] = {}
+        """The losses since the last read, by optimizer step."""
         self.last: float | None = None
         """The last loss read back (what the progress bar shows)."""
         self.last_step = 0
@@ -40,30 +35,20 @@ class LossWatch:
     @property
     def unread(self) -> bool:
         """True when a loss was recorded since the last read."""
-        return self._count > 0
+        return bool(self._losses)
 
     def record(self, loss: torch.Tensor, step: int) -> None:
         """Note `loss` (a scalar tensor) as the loss of optimizer step `step` (1-based; a
         later loss of the same step replaces it); no host synchronisation."""
-        if self._count == 0:
-            self._first_step = step
-        slot = step - self._first_step
-        buffer = self._buffer
-        if buffer is None or buffer.device != loss.device:
-            buffer = torch.empty(self.capacity, dtype=torch.float64, device=loss.device)
-        if slot >= buffer.numel():
-            buffer = torch.cat((buffer, torch.empty_like(buffer)))
-        buffer[slot].copy_(loss.detach().reshape(()))
-        self._buffer = buffer
-        self._count = slot + 1
+        self._losses[step] = loss.detach()
 
     def read(self, group: dist.ProcessGroup | None, distributed: bool) -> float | None:
         """The last loss of the global batch (the mean over `group`'s ranks when
         `distributed`, a collective), read back in one transfer; a NonFiniteLossError on
         every rank if any rank's loss since the last read was NaN or infinite."""
-        if self._count == 0 or self._buffer is None:
+        if not self._losses:
             return self.last
-        losses = self._buffer[: self._count]
+        losses = torch.stack(list(self._losses.values())).double().reshape(len(self._losses))
         if distributed:
             if dist.get_backend(group) == "gloo":
                 losses = losses.cpu()  # gloo gathers host tensors; this is the read anyway
@@ -72,10 +57,11 @@ class LossWatch:
             rows = torch.stack(everyone).tolist()
         else:
             rows = [losses.tolist()]
-        self.last_step = self._first_step + self._count - 1
-        self._count = 0
+        steps = list(self._losses)
+        self.last_step = steps[-1]
+        self._losses = {}
         bad = [
-            (self._first_step + slot, value, rank)
+            (steps[slot], value, rank)
             for rank, row in enumerate(rows)
             for slot, value in enumerate(row)
             if not math.isfinite(value)
@@ -86,6 +72,6 @@ class LossWatch:
         # Every rank's share is the same size, so the mean of their means is the loss of the
         # global batch (what `single` shows); ranks holding copies (tp, pp) count alike.
         self.last = sum(row[-1] for row in rows) / len(rows)
-        steps = len(rows[0])
-        self.interval = (sum(map(sum, rows)) / (len(rows) * steps), steps)
+        count = len(rows[0])
+        self.interval = (sum(map(sum, rows)) / (len(rows) * count), count)
         return self.last

@@ -36,7 +36,7 @@ class LossReads(Observer):
         self, log_every: int, report: RunReport, throughput: Throughput, timer: StepTimer
     ) -> None:
         self.log_every = log_every
-        self.watch = LossWatch(log_every)
+        self.watch = LossWatch()
         self.report = report
         self.throughput = throughput
         self.timer = timer

@@ -120,9 +120,11 @@ class MemoryReport(Observer):
 
     def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
         held, self._held = self._held, None
+        if held is None:
+            return  # measured already, or not at all
         self._watching.close()
         run = self._run
-        if held is None or loss is None or run is None or run.optimizer is None:
+        if loss is None or run is None or run.optimizer is None:
             return  # not measuring, or the step failed: the next one measures
         self.memory = {
             "parameters": parameter_bytes(run.module),

@@ -3,8 +3,6 @@ skips) written through the report, and the line the main rank prints last."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dtrain.config import Config
@@ -12,7 +10,6 @@ from dtrain.observe.events import End, Observer
 from dtrain.observe.progress import Throughput, steady_rate
 from dtrain.observe.run_report import RunReport
 from dtrain.observe.timing import RunTiming
-from dtrain.step.batches import batch_size
 from dtrain.step.position import Position
 from dtrain.step.precision import LossScaling
 
@@ -61,8 +58,8 @@ class RunSummary(Observer):
     def on_step_start(self, step: int) -> None:
         self._batch = 0
 
-    def on_micro_start(self, batch: Any) -> None:
-        self._batch += batch_size(batch)
+    def on_micro_start(self, samples: int) -> None:
+        self._batch += samples
 
     def on_gradients(self, step: int, loss: torch.Tensor) -> None:
         self._step_samples = self._batch * self.dp_size

@@ -82,8 +82,8 @@ class RunTiming(Observer):
     def on_step_start(self, step: int) -> None:
         self.timer.begin_step(step)
 
-    def on_micro_start(self, batch: Any) -> None:
-        self.per_device_batch = batch_size(batch)
+    def on_micro_start(self, samples: int) -> None:
+        self.per_device_batch = samples
         self.timer.begin_micro()
 
     def on_forward_end(self) -> None:

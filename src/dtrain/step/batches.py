@@ -65,16 +65,18 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _sizes(batch: Any, path: str, found: dict[str, int]) -> None:
+def _first_dims(batch: Any, path: str | None, found: list[tuple[str | None, int]]) -> None:
+    """Append (the part's path, or None when `path` is None; its first dimension) for
+    every tensor of `batch` that has one."""
     if isinstance(batch, torch.Tensor):
         if batch.dim() > 0:
-            found[path or "batch"] = batch.shape[0]
+            found.append(((path or "batch") if path is not None else None, batch.shape[0]))
     elif isinstance(batch, (tuple, list)):
         for i, part in enumerate(batch):
-            _sizes(part, f"{path}[{i}]", found)
+            _first_dims(part, None if path is None else f"{path}[{i}]", found)
     elif isinstance(batch, Mapping):
         for key, part in batch.items():
-            _sizes(part, f"{path}[{key!r}]", found)
+            _first_dims(part, None if path is None else f"{path}[{key!r}]", found)
 
 
 def batch_size(batch: Any) -> int:
@@ -82,22 +84,24 @@ def batch_size(batch: Any) -> int:
 
     Raises SetupError naming the parts when they disagree, or when there is no tensor.
     """
-    found: dict[str, int] = {}
-    _sizes(batch, "", found)
+    found: list[tuple[str | None, int]] = []
+    _first_dims(batch, None, found)  # every step: the parts are named only for a message
+    if found and all(n == found[0][1] for _, n in found):
+        return found[0][1]
     if not found:
         raise SetupError(
             f"A batch of {type(batch).__name__} holds no tensor with a sample dimension; "
             "give engine.train_step tensors (an (inputs, targets) pair, a dict, or a nesting "
             "of tensors) whose first dimension counts the samples."
         )
-    if len(set(found.values())) > 1:
-        parts = ", ".join(f"{path} has {n}" for path, n in found.items())
-        raise SetupError(
-            f"The parts of a batch must share their first (sample) dimension, but {parts}. "
-            "Make every tensor of the batch hold one row per sample (pass per-batch "
-            "constants as 0-d tensors, or set them on the model instead)."
-        )
-    return next(iter(found.values()))
+    named: list[tuple[str | None, int]] = []
+    _first_dims(batch, "", named)
+    parts = ", ".join(f"{path} has {n}" for path, n in named)
+    raise SetupError(
+        f"The parts of a batch must share their first (sample) dimension, but {parts}. "
+        "Make every tensor of the batch hold one row per sample (pass per-batch "
+        "constants as 0-d tensors, or set them on the model instead)."
+    )
 
 
 def split(batch: Any, parts: int) -> list[Any]:
