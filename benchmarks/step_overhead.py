@@ -18,8 +18,11 @@ processes: microseconds per step of each and the median ratio dtrain / plain (go
     tensor   parallelize_module, the layers split column- then row-wise in pairs
     pipeline PipelineStage per rank (the layers cut in equal runs) and Schedule1F1B,
              4 micro-batches
-
-The parameter server is not measured yet (its servers are processes of their own).
+    ps       synchronous parameter server (one server process besides the workers),
+             against DDP at the same number of workers: the closest plain loop, not the
+             same algorithm (each step pushes to and pulls from the server), so its ratio
+             is the architecture's cost as much as dtrain's; each repeat starts its own
+             processes (the servers are processes of their own)
 
     python benchmarks/step_overhead.py --repeats 7
     python benchmarks/step_overhead.py --strategies ddp,zero3 --steps 500
@@ -28,6 +31,8 @@ The parameter server is not measured yet (its servers are processes of their own
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +58,8 @@ WIDTH = 16
 LAYERS = 4
 SINGLE = ("single", "towers")
 MULTI = ("ddp", "loop", "zero1", "zero2", "zero3", "tensor", "pipeline")
-STRATEGIES = (*SINGLE, *MULTI)
+OWN_PROCESSES = ("ps",)
+STRATEGIES = (*SINGLE, *MULTI, *OWN_PROCESSES)
 MICROBATCHES = 4
 
 
@@ -166,8 +172,14 @@ def plain_pipeline(args: argparse.Namespace, data: TensorDataset) -> float:
     return timed(loader, step, args.warmup, args.steps) / args.steps * 1e6
 
 
-def dtrain_run(args: argparse.Namespace, strategy: str, data: TensorDataset) -> float:
-    """Microseconds per step of the same job through dtrain (its progress bar included)."""
+def dtrain_run(
+    args: argparse.Namespace,
+    strategy: str,
+    data: TensorDataset,
+    clock: Callable[[Any, Callable[[Any], Any], int, int], float] = timed,
+) -> float:
+    """Microseconds per step of the same job through dtrain (its progress bar included),
+    timed by `clock` (`harness.timed`'s signature)."""
     options: dict[str, Any] = {"towers": 2} if strategy == "towers" else {}
     if strategy == "pipeline":
         options["microbatches"] = MICROBATCHES
@@ -193,7 +205,7 @@ def dtrain_run(args: argparse.Namespace, strategy: str, data: TensorDataset) -> 
         def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
             engine.train_step(batch, F.cross_entropy)
 
-    seconds = timed(batches, step, args.warmup, args.steps)
+    seconds = clock(batches, step, args.warmup, args.steps)
     batches.close()
     engine.strategy.close()
     return seconds / args.steps * 1e6
@@ -214,6 +226,44 @@ def worker(args: argparse.Namespace, strategies: list[str]) -> dict[str, list[tu
     }
 
 
+def worker_clock(batches: Any, step: Callable[[Any], Any], warmup: int, steps: int) -> float:
+    """`harness.timed` for a parameter-server worker, whose default group holds the
+    servers too: no barrier (the synchronous server keeps the workers in step)."""
+    it = iter(batches)
+    for _ in range(warmup):
+        step(next(it))
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(next(it))
+    return time.perf_counter() - start
+
+
+def ps_side(args: argparse.Namespace) -> float:
+    """Microseconds per step of a ps worker (under `dtrain.launch`)."""
+    torch.set_num_threads(args.threads)
+    data = make_data((args.warmup + args.steps + 1) * args.global_batch_size)
+    return dtrain_run(args, "ps", data, worker_clock)
+
+
+def ps_peer(args: argparse.Namespace) -> float:
+    """Microseconds per step of the plain DDP loop on as many processes."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    data = make_data((args.warmup + args.steps + 1) * args.global_batch_size)
+    return plain_run(args, "ddp", data)
+
+
+def ps_pairs(args: argparse.Namespace) -> list[tuple[float, float]]:
+    """(DDP, ps) microseconds per step per repeat, each run in processes of its own."""
+    return alternate(
+        args.repeats,
+        lambda: launch(args.nproc, ps_peer, args)[0],
+        lambda: statistics.median(
+            dtrain.launch(ps_side, args, nproc=args.nproc, strategy="ps", servers=1)
+        ),
+    )
+
+
 def main() -> None:
     parser = arguments(__doc__, batch=8, steps=300, warmup=30, repeats=5)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"some of {STRATEGIES}")
@@ -229,6 +279,8 @@ def main() -> None:
     multi = [s for s in chosen if s in MULTI]
     if multi:
         results.update(launch(args.nproc, worker, args, multi)[0])
+    if "ps" in chosen:
+        results["ps"] = ps_pairs(args)
     ratios = {}
     for strategy in chosen:
         world = 1 if strategy in SINGLE else args.nproc

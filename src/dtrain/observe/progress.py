@@ -38,6 +38,9 @@ def steady_rate(summary: dict[str, Any]) -> float | None:
 PLAIN_EVERY_S = 30.0
 """Seconds between the plain progress lines written where no terminal shows a bar."""
 
+POSTFIX_EVERY_S = 0.5
+"""Seconds between updates of the bar's loss and samples/s (its redraw interval)."""
+
 
 def track(
     items: Iterable[T],
@@ -82,10 +85,10 @@ def track(
         leave=True,
         dynamic_ncols=True,
         unit="step",
-        mininterval=0.5,
+        mininterval=POSTFIX_EVERY_S,
     )
     epoch_samples, epoch_start = 0, time.perf_counter()
-    start = last_line = epoch_start
+    start = last_line = last_postfix = epoch_start
     steps = 0
 
     def shown(separator: str = " ") -> str:
@@ -101,7 +104,7 @@ def track(
         print(f"{desc}: {count} steps, {shown(', ')}", file=stream, flush=True)
 
     def done() -> None:
-        nonlocal epoch_samples, start, steps
+        nonlocal epoch_samples, start, steps, last_postfix
         now = time.perf_counter()
         throughput.seconds += now - start
         throughput.samples += samples_per_item
@@ -109,7 +112,9 @@ def track(
         steps += 1
         start = now
         if live:
-            bar.set_postfix_str(shown(), refresh=False)
+            if now - last_postfix >= POSTFIX_EVERY_S:  # not a string per step
+                last_postfix = now
+                bar.set_postfix_str(shown(), refresh=False)
             bar.update(1)
         elif enabled and now - last_line >= PLAIN_EVERY_S:
             line()
