@@ -115,8 +115,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(
-            f"{path} is not a dtrain checkpoint (no {MANIFEST}); pass a checkpoint directory, "
-            "or convert a plain PyTorch file with `dtrain ckpt convert SRC DST`."
+            f"{path} is not a dtrain checkpoint (no {MANIFEST}) nor a Hugging Face model "
+            "folder (no config.json with model.safetensors or model.safetensors.index.json); "
+            "pass a checkpoint directory or a model folder, or convert a plain PyTorch file "
+            "with `dtrain ckpt convert SRC DST`."
         )
     try:
         manifest = json.loads(manifest_path.read_bytes().decode("utf-8"))

@@ -16,6 +16,26 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+}
+"""The torch dtype of each safetensors dtype name (a header's ``dtype``)."""
+
 REAL_VIEWS = "dtrain.real_views"
 """The metadata key listing (as a JSON list) the tensors stored as their real view."""
 _STORED_AS_REAL = (torch.complex128, torch.complex32)
@@ -60,6 +80,10 @@ class TensorFile:
         self._viewed = set(json.loads((self._file.metadata() or {}).get(REAL_VIEWS, "[]")))
         self.names: list[str] = list(self._file.keys())
         self.shapes = {name: self._shape(name) for name in self.names}
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The dtype `name` is stored in, from the header (None for a name torch lacks)."""
+        return _DTYPES.get(self._file.get_slice(name).get_dtype())
 
     def _shape(self, name: str) -> torch.Size:
         shape = torch.Size(self._file.get_slice(name).get_shape())

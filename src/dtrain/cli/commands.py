@@ -123,7 +123,7 @@ def _ckpt(args: argparse.Namespace) -> int:
     from dtrain.observe.metrics import format_table
 
     if args.ckpt_command == "convert":
-        print(convert(args.src, args.dst))
+        print(convert(args.src, args.dst, to=args.to, config=args.hf_config))
         return 0
     if args.ckpt_command == "inspect":
         print(format_table(summary(args.path)))

@@ -139,18 +139,40 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("path", type=Path, help="A checkpoint directory.")
     convert = ckpt_sub.add_parser(
         "convert",
-        help="Plain PyTorch file -> checkpoint directory, checkpoint -> plain file, or "
-        "sharded checkpoint -> consolidated checkpoint.",
+        help="Plain PyTorch file -> checkpoint directory, checkpoint -> plain file, "
+        "sharded checkpoint -> consolidated checkpoint, or either -> Hugging Face folder.",
         description="SRC a plain PyTorch or safetensors file (a state_dict, possibly under a "
         "key such as 'state_dict' and with 'module.' names): DST becomes a checkpoint "
         "directory. SRC a checkpoint directory (consolidated or sharded) and DST ending in "
         ".pt/.pth/.bin/.safetensors: DST becomes a plain state_dict file of its model. SRC a "
         "sharded checkpoint and DST a directory: DST becomes a consolidated checkpoint with "
-        "the same model, optimizer and trainer state. Runs in this process, without a "
+        "the same model, optimizer and trainer state. With --to hf, the model of SRC (a "
+        "checkpoint or a plain file) becomes the Hugging Face model folder DST, with --config "
+        "as its config.json. Runs in this process, without a "
         "process group; files are read with weights_only=True.",
     )
     convert.add_argument("src", type=Path, help="A checkpoint directory or a plain file.")
-    convert.add_argument("dst", type=Path, help="The checkpoint directory or file to write.")
+    convert.add_argument(
+        "dst", type=Path, help="The checkpoint directory, file or Hugging Face folder to write."
+    )
+    convert.add_argument(
+        "--to",
+        choices=("hf",),
+        default=None,
+        help="hf: write DST as a Hugging Face model folder (config.json and safetensors "
+        "files) that transformers' from_pretrained reads. Without it, DST is a checkpoint "
+        "or a plain file, as described above.",
+    )
+    # Not dest "config": that one names the TOML flag file that parse_with_config reads.
+    convert.add_argument(
+        "--config",
+        dest="hf_config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="With --to hf: the model's config.json (a JSON object), copied into DST. "
+        "Without it, DST has no config.json and from_pretrained needs one added.",
+    )
     _add_data_parser(sub)
     return parser
 

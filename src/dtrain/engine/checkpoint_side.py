@@ -30,6 +30,7 @@ from dtrain.checkpoint.format import (
     expected_shapes,
     is_sharded,
 )
+from dtrain.checkpoint.hf_folder import is_model_folder, load_folder, open_folder
 from dtrain.checkpoint.lazy import LazyTensors
 from dtrain.checkpoint.plain import read_model_state
 from dtrain.checkpoint.sharded import ShardedWriter, local_part
@@ -204,9 +205,12 @@ class Checkpoints(Observer):
         whether the loader was made before or after the load) and each rank's RNG
         state. `path` may also be a plain PyTorch or safetensors file (a state_dict, one
         under a key such as ``state_dict``, ``module.``/``_orig_mod.`` names): then only
-        the model is loaded. With strict=False, tensors that do not fit are skipped (and
-        logged) instead of stopping. The main rank checks the files against the
-        manifest and tells the others; each rank then reads only the tensors it holds.
+        the model is loaded; likewise for a Hugging Face model folder (``config.json`` and
+        safetensors, sharded with an index), whose tensors each rank reads only as far as
+        it holds them (`dtrain.checkpoint.hf_folder`). With strict=False, tensors that do
+        not fit are skipped (and logged) instead of stopping. The main rank checks the
+        files against the manifest and tells the others; each rank then reads only the
+        tensors it holds.
         """
         self._sharded.wait()
         path = Path(path)
@@ -214,6 +218,8 @@ class Checkpoints(Observer):
             skipped = self.strategy.load_full_state(read_model_state(path), None, None, strict)
             self._log_skipped(path, skipped)
             return {"format": "plain", "path": str(path)}
+        if is_model_folder(path):
+            return self._load_model_folder(path, strict)
 
         def check() -> dict[str, Any]:
             manifest = checkpoint.read_manifest(path)
@@ -227,6 +233,17 @@ class Checkpoints(Observer):
 
         manifest = decided_by_main(check, self.strategy.placement.train_group, self.is_main)
         return self._load_checked(path, manifest, strict)
+
+    def _load_model_folder(self, path: Path, strict: bool) -> dict[str, Any]:
+        """Load the model of the Hugging Face folder at `path`, which the main rank
+        checked (`checkpoint.hf_folder`); the optimizer, step and data position stay."""
+        group = self.strategy.placement.train_group
+        folder = decided_by_main(lambda: open_folder(path), group, self.is_main)
+        classes = [c.__name__ for c in type(self.strategy.unwrap()).__mro__]
+        skipped = load_folder(folder, self.strategy, [self.strategy.model_class, *classes], strict)
+        self._log_skipped(path, skipped)
+        LOGGER.info("loaded the Hugging Face model folder %s", path)
+        return {"format": "huggingface", "path": str(path), "config": folder.config}
 
     def resume(self, root: str | Path) -> dict[str, Any] | None:
         """Load the newest intact checkpoint under `root`; None if there is none.

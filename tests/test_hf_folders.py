@@ -1,0 +1,120 @@
+"""Hugging Face model folders loaded straight into the model a strategy placed: every
+strategy fine-tunes from the folder to `single`'s parameters, each rank reading what it
+holds; a folder that does not fit, or is damaged, loads nothing and says why."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+from third_party import GLOBAL_BATCH, CausalTokens, hf_lm
+from torch.testing import assert_close
+from training import CLOSE
+
+import dtrain
+from dtrain.checkpoint.hf_folder import WEIGHTS_INDEX
+from dtrain.errors import CheckpointError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STEPS = 4
+LAYOUTS: list[dict[str, Any]] = [
+    {"strategy": "ddp"},
+    {"strategy": "zero3", "empty": True},
+    {"strategy": "tensor"},
+    {"strategy": "pipeline"},
+]
+
+
+def pretrained(tmp_path: Path, kind: str = "llama") -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny `kind` saved by `save_pretrained` in several shards, and its tensors."""
+    torch.manual_seed(1)
+    model = hf_lm(kind)
+    folder = tmp_path / kind
+    model.save_pretrained(folder, max_shard_size="40KB")
+    return folder, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def fine_tune(folder: Path, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The parameters after STEPS AdamW steps from `folder` under `layout`."""
+    options = {k: v for k, v in layout.items() if k != "empty"}
+    engine = dtrain.init(seed=0, **options)
+    torch.manual_seed(2)  # another random init: only the load can make the runs agree
+    if layout.get("empty"):
+        with engine.init_empty():
+            model = hf_lm("llama")
+    else:
+        model = hf_lm("llama")
+    model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    engine.load(folder)
+    for batch in engine.dataloader(CausalTokens(), global_batch_size=GLOBAL_BATCH):
+        engine.train_step(batch)
+        if engine.step == STEPS:
+            break
+    params = engine.state_dict()
+    engine.close()
+    return params
+
+
+def fine_tune_each(folder: Path, layouts: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+    return [fine_tune(folder, layout) for layout in layouts]
+
+
+def test_a_sharded_folder_loads_whole_under_single_with_its_tied_weight(tmp_path: Path) -> None:
+    for kind in ("llama", "qwen2"):  # qwen2's output layer is its embedding, stored once
+        folder, tensors = pretrained(tmp_path, kind)
+        assert len(json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"]) > 1
+        engine = dtrain.init(strategy="single", cpu=True)
+        torch.manual_seed(2)
+        model, _ = engine.setup(hf_lm(kind))
+        manifest = engine.load(folder)
+        assert manifest["format"] == "huggingface"
+        assert_close(dict(model.state_dict()), tensors, rtol=0, atol=0)
+        engine.close()
+
+
+@pytest.mark.timeout(400)
+def test_every_strategy_fine_tunes_from_the_folder_as_single_does(tmp_path: Path) -> None:
+    folder, _ = pretrained(tmp_path)
+    [expected] = fine_tune_each(folder, [{"strategy": "single"}])
+    results = run_ranks(fine_tune_each, 2, folder, LAYOUTS, timeout=380)
+    for layout, got in zip(LAYOUTS, results[0], strict=True):
+        assert_close(got, expected, **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
+
+
+def test_a_folder_that_does_not_fit_loads_nothing(tmp_path: Path) -> None:
+    folder, _ = pretrained(tmp_path)
+    engine = dtrain.init(strategy="single", cpu=True)
+    model, _ = engine.setup(hf_lm("qwen2"))  # another class: config.json says Llama
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"is for LlamaForCausalLM, not this model"):
+        engine.load(folder)
+    assert_close(dict(model.state_dict()), before, rtol=0, atol=0)
+    engine.close()
+
+    engine = dtrain.init(strategy="single", cpu=True)
+    model, _ = engine.setup(hf_lm("llama").to(torch.float64))
+    with pytest.raises(CheckpointError, match=r"other dtypes than the model's.*float32 in"):
+        engine.load(folder)
+    engine.close()
+
+
+def test_a_damaged_folder_is_named(tmp_path: Path) -> None:
+    folder, _ = pretrained(tmp_path)
+    engine = dtrain.init(strategy="single", cpu=True)
+    engine.setup(hf_lm("llama"))
+    shard = sorted(folder.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"{shard.name} cannot be read .*truncated"):
+        engine.load(folder)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"names {shard.name}, which .* does not hold"):
+        engine.load(folder)
+    with pytest.raises(CheckpointError, match=r"nor a Hugging Face model folder"):
+        engine.load(tmp_path)
+    engine.close()
