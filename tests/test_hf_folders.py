@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
+from safetensors import safe_open
 from third_party import GLOBAL_BATCH, CausalTokens, hf_lm
 from torch.testing import assert_close
 from training import CLOSE
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 import dtrain
 from dtrain.checkpoint.hf_folder import WEIGHTS_INDEX
@@ -41,7 +43,8 @@ def pretrained(tmp_path: Path, kind: str = "llama") -> tuple[Path, dict[str, tor
 
 
 def fine_tune(folder: Path, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The parameters after STEPS AdamW steps from `folder` under `layout`."""
+    """The parameters after STEPS AdamW steps from `folder` under `layout`, also saved
+    with `save_pretrained` beside `folder`, in a folder named after the strategy."""
     options = {k: v for k, v in layout.items() if k != "empty"}
     engine = dtrain.init(seed=0, **options)
     torch.manual_seed(2)  # another random init: only the load can make the runs agree
@@ -57,6 +60,7 @@ def fine_tune(folder: Path, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
         if engine.step == STEPS:
             break
     params = engine.state_dict()
+    engine.save_pretrained(folder.parent / layout["strategy"])
     engine.close()
     return params
 
@@ -65,7 +69,7 @@ def fine_tune_each(folder: Path, layouts: list[dict[str, Any]]) -> list[dict[str
     return [fine_tune(folder, layout) for layout in layouts]
 
 
-def test_a_sharded_folder_loads_whole_under_single_with_its_tied_weight(tmp_path: Path) -> None:
+def test_a_sharded_folder_loads_under_single_and_saves_back_tied(tmp_path: Path) -> None:
     for kind in ("llama", "qwen2"):  # qwen2's output layer is its embedding, stored once
         folder, tensors = pretrained(tmp_path, kind)
         assert len(json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"]) > 1
@@ -75,7 +79,14 @@ def test_a_sharded_folder_loads_whole_under_single_with_its_tied_weight(tmp_path
         manifest = engine.load(folder)
         assert manifest["format"] == "huggingface"
         assert_close(dict(model.state_dict()), tensors, rtol=0, atol=0)
+        engine.save_pretrained(tmp_path / f"{kind}-saved")
         engine.close()
+        with safe_open(tmp_path / f"{kind}-saved" / "model.safetensors", "pt") as f:
+            stored = set(f.keys())  # noqa: SIM118 - safe_open is no container
+        assert ("lm_head.weight" in stored) == (kind == "llama")  # tied: stored once
+        cls = LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM
+        reread = cls.from_pretrained(tmp_path / f"{kind}-saved").state_dict()
+        assert_close(dict(reread), tensors, rtol=0, atol=0)
 
 
 @pytest.mark.timeout(400)
@@ -83,8 +94,12 @@ def test_every_strategy_fine_tunes_from_the_folder_as_single_does(tmp_path: Path
     folder, _ = pretrained(tmp_path)
     [expected] = fine_tune_each(folder, [{"strategy": "single"}])
     results = run_ranks(fine_tune_each, 2, folder, LAYOUTS, timeout=380)
-    for layout, got in zip(LAYOUTS, results[0], strict=True):
+    layouts = [{"strategy": "single"}, *LAYOUTS]
+    for layout, got in zip(layouts, [expected, *results[0]], strict=True):
         assert_close(got, expected, **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
+        saved = tmp_path / layout["strategy"]
+        reread = LlamaForCausalLM.from_pretrained(saved).state_dict()
+        assert_close(dict(reread), got, rtol=0, atol=0, msg=lambda m, o=layout: f"{o}: {m}")
 
 
 def test_a_folder_that_does_not_fit_loads_nothing(tmp_path: Path) -> None:

@@ -36,8 +36,10 @@ from dtrain.checkpoint.format import (
 from dtrain.checkpoint.lazy import LazyTensors
 from dtrain.checkpoint.reading import reason
 from dtrain.checkpoint.safetensors_file import TensorFile
+from dtrain.checkpoint.shared import decided_by_main
 from dtrain.errors import CheckpointError
 from dtrain.process.collectives import gather_objects
+from dtrain.process.logs import LOGGER
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.holder import StateHolder
@@ -145,11 +147,13 @@ def _model_side(module: nn.Module) -> tuple[dict[str, torch.Size], dict[str, tor
 
 
 def load_folder(
-    folder: ModelFolder, holder: StateHolder, classes: list[str], strict: bool
-) -> list[str]:
-    """Load `folder` into the holder's model (collective over its checkpoint group);
-    `classes` are the model's class, then its bases, by name. Returns the names skipped
-    with strict=False (they keep their values)."""
+    path: Path, holder: StateHolder, strict: bool, main: bool
+) -> tuple[ModelFolder, list[str]]:
+    """Load the Hugging Face folder at `path`, which the main rank checks
+    (`open_folder`), into the holder's model (collective over its checkpoint group).
+    Returns the folder and the names skipped with strict=False (they keep their values)."""
+    folder = decided_by_main(lambda: open_folder(path), holder.checkpoint_group, main)
+    classes = [holder.model_class, *(c.__name__ for c in type(holder.unwrap()).__mro__)]
     module = holder.unwrap()
     group = holder.checkpoint_group
     architectures = folder.config.get("architectures") or []
@@ -192,7 +196,8 @@ def load_folder(
     else:
         held = set(_model_side(module)[0]) - set(skipped)
         holder.load_full_state(LazyTensors(folder.files, held, stored_once), None, None, strict)
-    return skipped
+    LOGGER.info("loaded the Hugging Face model folder %s", path)
+    return folder, skipped
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,8 +20,14 @@ from dtrain.checkpoint import safetensors_file
 from dtrain.checkpoint.atomic import atomic_directory
 from dtrain.checkpoint.disk import stored_bytes, writing
 from dtrain.checkpoint.format import MANIFEST
-from dtrain.checkpoint.hf_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX
+from dtrain.checkpoint.hf_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX, tied_names
+from dtrain.checkpoint.shared import decided_by_main
 from dtrain.errors import CheckpointError, ConfigError
+from dtrain.process.collectives import gather_objects
+from dtrain.process.logs import LOGGER
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint.holder import StateHolder
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 """The shard size transformers' ``save_pretrained`` uses by default (5 GiB)."""
@@ -79,6 +85,29 @@ def write_hf_folder(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             _write_json(tmp / WEIGHTS_INDEX, index)
     return tied
+
+
+def save_folder(holder: StateHolder, dest: Path, model: nn.Module, main: bool) -> list[str]:
+    """Write the holder's whole model as the Hugging Face folder `dest`, with the
+    ``config`` of `model` (the user's) as config.json when it has one; collective over
+    the checkpoint group: sharded strategies gather, the main rank writes, every rank
+    waits and raises its error. A tied weight is written once, under its first name;
+    returns the names left out."""
+    config = getattr(model, "config", None)
+    as_dict = config.to_dict() if hasattr(config, "to_dict") else None
+    aliases: dict[str, str] = {}
+    for part in gather_objects(tied_names(holder.unwrap()), holder.checkpoint_group):
+        aliases.update(part)
+    tensors, _ = holder.full_state(None)
+
+    def write() -> list[str]:
+        assert tensors is not None
+        kept = {k: v for k, v in tensors.items() if k not in aliases}
+        write_hf_folder(kept, dest, as_dict)
+        LOGGER.info("wrote the Hugging Face model folder %s", dest)
+        return sorted(set(tensors) - set(kept))
+
+    return decided_by_main(write, holder.checkpoint_group, main)
 
 
 def _check_dest(dest: Path) -> None:

@@ -34,6 +34,11 @@ class StateHolder(Protocol):
         ...
 
     @property
+    def model_class(self) -> str:
+        """The class name of the model given to setup."""
+        ...
+
+    @property
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The process group whose ranks save and load a checkpoint together (None: the
         default group)."""

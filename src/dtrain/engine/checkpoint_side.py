@@ -30,7 +30,8 @@ from dtrain.checkpoint.format import (
     expected_shapes,
     is_sharded,
 )
-from dtrain.checkpoint.hf_folder import is_model_folder, load_folder, open_folder
+from dtrain.checkpoint.hf_folder import is_model_folder, load_folder
+from dtrain.checkpoint.hf_write import save_folder
 from dtrain.checkpoint.lazy import LazyTensors
 from dtrain.checkpoint.plain import read_model_state
 from dtrain.checkpoint.sharded import ShardedWriter, local_part
@@ -175,6 +176,10 @@ class Checkpoints(Observer):
         # The other ranks wait for it, and raise its error (a full disk) if it fails.
         decided_by_main(write, group, self.is_main)
 
+    def save_pretrained(self, path: Path) -> None:
+        """Write the model as a Hugging Face folder (`checkpoint.hf_write.save_folder`)."""
+        save_folder(self.strategy, path, self.strategy.user_model(), self.is_main)
+
     def saved(self, path: str | Path) -> bool:
         """Whether the newest checkpoint beside `path` is `path`, intact (or is being
         written there); decided on the main rank, the same answer on every rank
@@ -219,7 +224,10 @@ class Checkpoints(Observer):
             self._log_skipped(path, skipped)
             return {"format": "plain", "path": str(path)}
         if is_model_folder(path):
-            return self._load_model_folder(path, strict)
+            # The optimizer, step and data position stay: fine-tuning starts at step 0.
+            folder, skipped = load_folder(path, self.strategy, strict, self.is_main)
+            self._log_skipped(path, skipped)
+            return {"format": "huggingface", "path": str(path), "config": folder.config}
 
         def check() -> dict[str, Any]:
             manifest = checkpoint.read_manifest(path)
@@ -233,17 +241,6 @@ class Checkpoints(Observer):
 
         manifest = decided_by_main(check, self.strategy.placement.train_group, self.is_main)
         return self._load_checked(path, manifest, strict)
-
-    def _load_model_folder(self, path: Path, strict: bool) -> dict[str, Any]:
-        """Load the model of the Hugging Face folder at `path`, which the main rank
-        checked (`checkpoint.hf_folder`); the optimizer, step and data position stay."""
-        group = self.strategy.placement.train_group
-        folder = decided_by_main(lambda: open_folder(path), group, self.is_main)
-        classes = [c.__name__ for c in type(self.strategy.unwrap()).__mro__]
-        skipped = load_folder(folder, self.strategy, [self.strategy.model_class, *classes], strict)
-        self._log_skipped(path, skipped)
-        LOGGER.info("loaded the Hugging Face model folder %s", path)
-        return {"format": "huggingface", "path": str(path), "config": folder.config}
 
     def resume(self, root: str | Path) -> dict[str, Any] | None:
         """Load the newest intact checkpoint under `root`; None if there is none.
@@ -374,6 +371,17 @@ class CheckpointSide:
         self._require_setup("engine.save")
         self._loss.flush()  # a non-finite loss must never reach a checkpoint
         self.checkpoints.save(path, epoch, extra, keep)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the model as a Hugging Face model folder at `path` that transformers'
+        ``from_pretrained`` reads: config.json (from the model's ``config``, when it has
+        one), the weights as safetensors, sharded past 5 GiB with their index, a tied
+        weight once. Collective: sharded strategies gather the model to the main rank,
+        which writes it; the folder appears whole or not at all, and an existing model
+        folder there is replaced."""
+        self._require_setup("engine.save_pretrained")
+        self._loss.flush()  # a non-finite loss must never reach a saved model
+        self.checkpoints.save_pretrained(Path(path))
 
     def load(self, path: str | Path, strict: bool = True) -> dict[str, Any]:
         """Load a checkpoint written under any strategy and world size, or a plain
