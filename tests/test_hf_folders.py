@@ -98,8 +98,16 @@ def test_every_strategy_fine_tunes_from_the_folder_as_single_does(tmp_path: Path
     for layout, got in zip(layouts, [expected, *results[0]], strict=True):
         assert_close(got, expected, **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
         saved = tmp_path / layout["strategy"]
+        # DTensor layouts write their slices, joined from disk: the joined files have an index.
+        sliced = layout["strategy"] in ("zero3", "tensor")
+        assert (saved / WEIGHTS_INDEX).is_file() == sliced
+        assert sorted(p.name for p in saved.iterdir() if not p.name.endswith(".safetensors")) == [
+            "config.json",
+            *([WEIGHTS_INDEX] if sliced else []),
+        ]
         reread = LlamaForCausalLM.from_pretrained(saved).state_dict()
         assert_close(dict(reread), got, rtol=0, atol=0, msg=lambda m, o=layout: f"{o}: {m}")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no write left over
 
 
 def test_a_folder_that_does_not_fit_loads_nothing(tmp_path: Path) -> None:

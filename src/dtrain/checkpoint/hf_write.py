@@ -10,14 +10,16 @@ beside its destination and renamed into place, as dtrain's checkpoints are.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtrain.checkpoint import safetensors_file
-from dtrain.checkpoint.atomic import atomic_directory
+from dtrain.checkpoint.atomic import atomic_directory, commit, temporary_beside
 from dtrain.checkpoint.disk import stored_bytes, writing
 from dtrain.checkpoint.format import MANIFEST
 from dtrain.checkpoint.hf_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX, tied_names
@@ -29,6 +31,9 @@ from dtrain.process.logs import LOGGER
 if TYPE_CHECKING:
     from dtrain.checkpoint.holder import StateHolder
 
+SLICES = "sharded"
+"""The folder where torch.distributed.checkpoint's Hugging Face writer puts each rank's
+slices before they are joined."""
 DEFAULT_SHARD_BYTES = 5 * 2**30
 """The shard size transformers' ``save_pretrained`` uses by default (5 GiB)."""
 # transformers writes this metadata in every file, and its loader checks for it.
@@ -90,14 +95,17 @@ def write_hf_folder(
 def save_folder(holder: StateHolder, dest: Path, model: nn.Module, main: bool) -> list[str]:
     """Write the holder's whole model as the Hugging Face folder `dest`, with the
     ``config`` of `model` (the user's) as config.json when it has one; collective over
-    the checkpoint group: sharded strategies gather, the main rank writes, every rank
-    waits and raises its error. A tied weight is written once, under its first name;
-    returns the names left out."""
+    the checkpoint group, every rank raising the error if the write fails. DTensor
+    parameters are written as slices by every rank (`_save_slices`); other models go to
+    the main rank (`full_state`), which writes them. A tied weight is written once, under
+    its first name; returns the names left out."""
     config = getattr(model, "config", None)
     as_dict = config.to_dict() if hasattr(config, "to_dict") else None
     aliases: dict[str, str] = {}
     for part in gather_objects(tied_names(holder.unwrap()), holder.checkpoint_group):
         aliases.update(part)
+    if any(isinstance(p, DTensor) for p in holder.unwrap().parameters()):
+        return _save_slices(holder, dest, as_dict, aliases, main)
     tensors, _ = holder.full_state(None)
 
     def write() -> list[str]:
@@ -108,6 +116,60 @@ def save_folder(holder: StateHolder, dest: Path, model: nn.Module, main: bool) -
         return sorted(set(tensors) - set(kept))
 
     return decided_by_main(write, holder.checkpoint_group, main)
+
+
+def _save_slices(
+    holder: StateHolder,
+    dest: Path,
+    config: dict[str, Any] | None,
+    aliases: dict[str, str],
+    main: bool,
+) -> list[str]:
+    """`save_folder` where the parameters are DTensors: every rank writes its own slices
+    (torch.distributed.checkpoint's Hugging Face writer), which the main rank then joins
+    file by file from disk into whole tensors (never the whole model in memory); the
+    slices are removed and the folder renamed into place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    group = holder.checkpoint_group
+    state = get_model_state_dict(holder.unwrap())
+    kept = {k: v for k, v in state.items() if k not in aliases}
+
+    def begin() -> Path:
+        _check_dest(dest)
+        return temporary_beside(dest)
+
+    tmp = decided_by_main(begin, group, main)
+    mapping = {
+        name: i for i, names in enumerate(_shards(kept, DEFAULT_SHARD_BYTES), 1) for name in names
+    }
+    try:
+        with writing(dest, stored_bytes(kept)):
+            dcp.save(
+                kept,
+                storage_writer=HuggingFaceStorageWriter(
+                    str(tmp),
+                    fqn_to_index_mapping=mapping,
+                    save_distributed=True,
+                    enable_consolidation=True,
+                ),
+                process_group=group,
+            )
+
+        def finish() -> None:
+            shutil.rmtree(tmp / SLICES)
+            if config is not None:
+                _write_json(tmp / CONFIG, config, sort_keys=True)
+            commit(tmp, dest)
+            LOGGER.info("wrote the Hugging Face model folder %s", dest)
+
+        decided_by_main(finish, group, main)
+    finally:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(set(state) - set(kept))
 
 
 def _check_dest(dest: Path) -> None:

@@ -376,9 +376,11 @@ class CheckpointSide:
         """Write the model as a Hugging Face model folder at `path` that transformers'
         ``from_pretrained`` reads: config.json (from the model's ``config``, when it has
         one), the weights as safetensors, sharded past 5 GiB with their index, a tied
-        weight once. Collective: sharded strategies gather the model to the main rank,
-        which writes it; the folder appears whole or not at all, and an existing model
-        folder there is replaced."""
+        weight once. Collective: where the parameters are DTensors (zero2, zero3, hsdp,
+        tensor) every rank writes its own slices and the main rank joins them from disk
+        file by file; elsewhere the main rank writes the model (a pipeline's stages sent to
+        it). The folder appears whole or not at all, and an existing model folder there is
+        replaced."""
         self._require_setup("engine.save_pretrained")
         self._loss.flush()  # a non-finite loss must never reach a saved model
         self.checkpoints.save_pretrained(Path(path))
