@@ -188,8 +188,9 @@ def test_async_demo_reaches_95_percent(tmp_path: Path) -> None:
     # than the demo's default keep the bar above 95% there too. At momentum 0.9 a run of
     # gradients 2 or more updates stale can kill every ReLU (the net then answers one
     # class: 10%, seen once on a loaded CI machine under ssp); the staleness-aware rate
-    # prevents that even at a constant staleness of 3 (docs/strategies.md).
-    metrics = demo(tmp_path, "--ps-mode", "async", "--staleness-aware-lr", "--epochs", "16")
+    # prevents that even at a constant staleness of 3 (docs/strategies.md). 16 epochs
+    # ended at 94.4% once in a full local suite; 20 gave 96.9-98.3% under 6 runs at once.
+    metrics = demo(tmp_path, "--ps-mode", "async", "--staleness-aware-lr", "--epochs", "20")
     assert metrics["test_accuracy"] >= 0.95, metrics
     assert metrics["ps_updates"] == [2 * metrics["steps"]]  # one update per push
     assert metrics["ps_gradients_per_update"] == [1, 1]
@@ -200,7 +201,7 @@ def test_ssp_demo_reaches_95_percent_and_keeps_the_step_gap(tmp_path: Path) -> N
     # As for async (it reached 92% in 12 epochs once, and 10% without the
     # staleness-aware rate once).
     metrics = demo(
-        tmp_path, "--ps-mode", "ssp", "--staleness", "1", "--staleness-aware-lr", "--epochs", "16"
+        tmp_path, "--ps-mode", "ssp", "--staleness", "1", "--staleness-aware-lr", "--epochs", "20"
     )
     assert metrics["test_accuracy"] >= 0.95, metrics
     assert 0 <= metrics["ps_max_step_gap"] <= 1
