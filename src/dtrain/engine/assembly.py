@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.config import Config
-from dtrain.engine.checkpoint_side import Checkpoints
+from dtrain.engine.checkpoints import Checkpoints
 from dtrain.engine.data_side import TrainedSamples
 from dtrain.observe.events import End, Observer, Observers
 from dtrain.observe.gpu_use import GpuUse

@@ -1,7 +1,7 @@
 """What checkpoints ask of a strategy: its model and optimizer state, whole or per replica.
 
 :class:`CheckpointState` is the part of a runtime strategy that the checkpoints call
-(engine/checkpoint_side.py; the formats through their protocol,
+(engine/checkpoints.py; the formats through their protocol,
 `dtrain.checkpoint.holder.StateHolder`, which every Strategy fulfils). Its defaults hold
 where `unwrap()` is the whole model on every rank and the loop steps a torch optimizer
 over its parameters; strategies that shard the state, keep replicas apart between syncs
