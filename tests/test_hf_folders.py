@@ -5,6 +5,7 @@ holds; a folder that does not fit, or is damaged, loads nothing and says why."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 import dtrain
 from dtrain.checkpoint.hf_folder import WEIGHTS_INDEX
+from dtrain.checkpoint.hf_write import write_hf_folder
 from dtrain.errors import CheckpointError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,13 +60,15 @@ def fine_tune(root: Path, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
     options = {k: v for k, v in layout.items() if k not in ("empty", "kind")}
     engine = dtrain.init(seed=0, **options)
     torch.manual_seed(2)  # another random init: only the load can make the runs agree
-    if layout.get("empty"):
+    if layout.get("empty"):  # built without memory: the folder's values are never drawn
         with engine.init_empty():
             model = hf_lm(kind)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = engine.setup(model, optimizer, pretrained=root / kind)
     else:
         model = hf_lm(kind)
-    model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    engine.load(root / kind)
+        model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        engine.load(root / kind)
     for batch in engine.dataloader(CausalTokens(), global_batch_size=GLOBAL_BATCH):
         engine.train_step(batch)
         if engine.step == STEPS:
@@ -97,6 +101,68 @@ def test_a_sharded_folder_loads_under_single_and_saves_back_tied(tmp_path: Path)
         cls = LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM
         reread = cls.from_pretrained(tmp_path / f"{kind}-saved").state_dict()
         assert_close(dict(reread), tensors, rtol=0, atol=0)
+
+
+def test_a_model_built_empty_draws_nothing_the_folder_holds(tmp_path: Path) -> None:
+    for kind in CLASSES:
+        folder, tensors = pretrained(tmp_path, kind)
+        reference = CLASSES[kind].from_pretrained(folder)
+        engine = dtrain.init(strategy="single", cpu=True)
+        torch.manual_seed(2)
+        drawn_from = torch.get_rng_state()
+        with engine.init_empty():
+            model = hf_lm(kind)
+        model, _ = engine.setup(model, pretrained=folder)
+        # No random value drawn for the weights; the rotary tables no file holds computed.
+        assert torch.equal(torch.get_rng_state(), drawn_from)
+        assert_close(dict(model.state_dict()), tensors, rtol=0, atol=0)
+        buffers = dict(model.named_buffers())
+        assert any("inv_freq" in name for name in buffers)
+        assert_close(buffers, dict(reference.named_buffers()), rtol=0, atol=0)
+        engine.close()
+    engine = dtrain.init(strategy="single", cpu=True)
+    with engine.init_empty():
+        model = hf_lm("llama")
+    with pytest.raises(CheckpointError, match=r"takes a Hugging Face model folder"):
+        engine.setup(model, pretrained=tmp_path)
+
+
+class Scaled(torch.nn.Module):
+    """A model whose init_weights reads a weight the folder holds into a buffer no file
+    holds: setup cannot leave that weight undrawn, and replays the whole build."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("first_row", torch.empty(4), persistent=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        torch.nn.init.normal_(self.linear.weight)
+        self.first_row.copy_(self.linear.weight[0])
+
+
+def test_a_build_that_reads_what_the_folder_holds_is_replayed_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(3)
+    write_hf_folder(Scaled().state_dict(), tmp_path / "scaled", {"architectures": ["Scaled"]})
+    results = []
+    for pretrained_at_setup in (True, False):
+        engine = dtrain.init(strategy="single", cpu=True)
+        torch.manual_seed(4)
+        with engine.init_empty():
+            model = Scaled()
+        if pretrained_at_setup:
+            with caplog.at_level(logging.INFO, logger="dtrain"):
+                model, _ = engine.setup(model, pretrained=tmp_path / "scaled")
+            assert "replays its whole build instead" in caplog.text
+        else:
+            model, _ = engine.setup(model)
+            engine.load(tmp_path / "scaled")
+        results.append({**dict(model.named_buffers()), **model.state_dict()})
+        engine.close()
+    assert_close(results[0], results[1], rtol=0, atol=0)  # what setup then load gives
 
 
 @pytest.mark.timeout(400)

@@ -116,6 +116,18 @@ def open_folder(path: Path) -> ModelFolder:
     return ModelFolder(path, [path / name for name in names], shapes, dtypes, config)
 
 
+def pretrained_names(path: Path) -> frozenset[str]:
+    """The names of the tensors the model folder at `path` holds (read from its headers),
+    for ``engine.setup(pretrained=path)``; a CheckpointError for anything else."""
+    if not is_model_folder(path):
+        raise CheckpointError(
+            f"engine.setup(pretrained=...) takes a Hugging Face model folder (config.json and "
+            f"safetensors); {path} is not one. Load a dtrain checkpoint with engine.load "
+            "after setup."
+        )
+    return frozenset(open_folder(path).shapes)
+
+
 def _json(file: Path) -> dict[str, Any]:
     try:
         value = json.loads(file.read_text())

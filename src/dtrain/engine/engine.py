@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from dtrain.checkpoint.hf_folder import pretrained_names
 from dtrain.config import Config
 from dtrain.engine.assembly import banner, loss_scaling, release, watchers
 from dtrain.engine.checkpoint_side import CheckpointSide
@@ -67,7 +69,7 @@ class Engine(JobView, DataSide, CheckpointSide):
         self.observers = watched.observers
         """What watches the steps, told each step event in this order (see
         `dtrain.observe.events`); append an `Observer` to watch them too."""
-        self._loss, self._memory = watched.loss, watched.memory
+        self._loss, self.memory_watch = watched.loss, watched.memory
         self._step_refusal: SetupError | None = None
         """Why train_step cannot step the optimizer (one that needs a closure), if so."""
         self._empty_build: BuildRecord | None = None
@@ -108,12 +110,19 @@ class Engine(JobView, DataSide, CheckpointSide):
         self._empty_build = record
 
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        pretrained: str | Path | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Place and wrap `model` for the strategy; return (model to call, optimizer).
 
         Build `optimizer` from ``model.parameters()`` before calling this. A model built
-        inside `init_empty` is materialised and initialised here.
+        inside `init_empty` is materialised and initialised here. `pretrained`: a Hugging
+        Face model folder loaded once the model is placed (``engine.load(folder)``); a
+        model built inside `init_empty` then draws no random values for what the folder
+        holds, and computes only the rest (buffers no checkpoint stores, such as rotary
+        tables).
         """
         if self.model is not None:
             raise SetupError("engine.setup was called twice; call it once per Engine.")
@@ -122,7 +131,9 @@ class Engine(JobView, DataSide, CheckpointSide):
             self._step_refusal = train_step_refusal(optimizer)
         kind = type(optimizer).__name__  # the user's class, whatever the strategy returns
         record, self._empty_build = self._empty_build, None
-        handover = Handover(self.observers.on_forward_end, self.loss_scaling, record)
+        folder = Path(pretrained) if pretrained is not None else None
+        loaded = pretrained_names(folder) if folder is not None and record else frozenset()
+        handover = Handover(self.observers.on_forward_end, self.loss_scaling, record, loaded)
         self.model, optimizer = self.strategy.setup(model, optimizer, handover)
         self.optimizer = optimizer
         if self.loss_scaling is not None:  # the group, read once setup made it
@@ -137,6 +148,8 @@ class Engine(JobView, DataSide, CheckpointSide):
         self.observers.on_setup(
             Run(module, self.model, optimizer, placement.train_group, placement.lockstep)
         )
+        if folder is not None:
+            self.load(folder)
         said = banner(self.strategy, self.world_size, optimizer, kind)
         LOGGER.info(said)
         self.print(said)
@@ -289,17 +302,6 @@ class Engine(JobView, DataSide, CheckpointSide):
         """bf16 or fp16 autocast for --precision bf16-mixed or fp16-mixed, unless the
         strategy applies it itself."""
         return self.strategy.autocast()
-
-    @property
-    def memory(self) -> dict[str, int] | None:
-        """Model-state bytes of this rank after its first step (with memory_report)."""
-        return self._memory.memory
-
-    def memory_report(self) -> list[dict[str, int]]:
-        """Every rank's model-state bytes, measured at the first step (needs
-        ``memory_report=True``); collective the first time after that step, then kept (the
-        figures do not change), so the metrics JSON at close reuses a script's own call."""
-        return self._memory.report()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and synchronise gradients as the strategy requires (for

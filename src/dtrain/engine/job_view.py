@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.config import Config
+from dtrain.observe.memory import MemoryReport
 from dtrain.process.collectives import barrier
 from dtrain.process.logs import log_to_file
 from dtrain.process.topology import Topology
@@ -28,6 +29,7 @@ class JobView:
     topology: Topology
     strategy: Strategy
     position: Position
+    memory_watch: MemoryReport
 
     @property
     def step(self) -> int:
@@ -77,6 +79,17 @@ class JobView:
     def dp_size(self) -> int:
         """Data-parallel processes: the global batch is the per-worker batch times this."""
         return self.strategy.placement.dp_size
+
+    @property
+    def memory(self) -> dict[str, int] | None:
+        """Model-state bytes of this rank after its first step (with memory_report)."""
+        return self.memory_watch.memory
+
+    def memory_report(self) -> list[dict[str, int]]:
+        """Every rank's model-state bytes, measured at the first step (needs
+        ``memory_report=True``); collective the first time after that step, then kept (the
+        figures do not change), so the metrics JSON at close reuses a script's own call."""
+        return self.memory_watch.report()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on the main rank only."""

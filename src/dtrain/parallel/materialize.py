@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from dtrain.checkpoint.canonical import canonical_name
 from dtrain.errors import SetupError
 from dtrain.parallel.build_record import (
     BuildRecord,
@@ -108,12 +109,17 @@ class DeferredInit:
     slot the step rebinds."""
     release_at: dict[int, list[int]]
     """step -> ids of the tensors no later step needs: set in the model after it."""
+    loaded: frozenset[int] = frozenset()
+    """ids of the tensors a load sets right after setup (``engine.setup(pretrained=...)``):
+    the replay stands meta tensors in for them, so it neither draws nor keeps their values."""
 
     @classmethod
-    def of(cls, model: nn.Module, record: BuildRecord | None) -> DeferredInit | None:
+    def of(
+        cls, model: nn.Module, record: BuildRecord | None, loaded: frozenset[str] = frozenset()
+    ) -> DeferredInit | None:
         """The replay of `model`'s build, or None if nothing in it is on the meta device;
         refuses a model that could not start as its whole build (see the module's
-        docstring)."""
+        docstring). `loaded`: the state-dict names a load sets right after setup."""
         places: dict[int, list[tuple[str, str]]] = {}
         for path, module in model.named_modules():
             for name, tensor in own_tensors(module).items():
@@ -150,7 +156,12 @@ class DeferredInit:
         release_at: dict[int, list[int]] = {}
         for tid, k in last.items():
             release_at.setdefault(k, []).append(tid)
-        return cls(record.rng_state, tuple(steps), places, after, release_at)
+        skipped = frozenset(
+            tid
+            for tid, keys in places.items()
+            if any(canonical_name(f"{path}.{name}".lstrip(".")) in loaded for path, name in keys)
+        )
+        return cls(record.rng_state, tuple(steps), places, after, release_at, skipped)
 
     def from_first_rank(self) -> DeferredInit:
         """This replay with rank 0's random state (a collective over every process of a
@@ -167,7 +178,22 @@ class DeferredInit:
         """Give the tensors of `model` that were on the meta device, where this rank holds
         them, the values the whole build gives them (what it does not hold is replayed
         too, to keep the random stream in step, and dropped). The CPU generator is left
-        where the whole build would have left it."""
+        where the whole build would have left it, or, with tensors `loaded`, where a build
+        that draws none of their values would have."""
+        try:
+            self._replay(model)
+            return
+        except (_ReadsLoaded, RuntimeError, NotImplementedError) as e:  # read a loaded value?
+            if not self.loaded:
+                raise
+            LOGGER.info(
+                "Initialising the model without the values it loads failed (%s); setup "
+                "replays its whole build instead.",
+                e,
+            )
+        replace(self, loaded=frozenset())._replay(model)
+
+    def _replay(self, model: nn.Module) -> None:
         torch.set_rng_state(self.rng_state)
         replay = _Replay(self)
         for k, step in enumerate(self.steps):
@@ -209,6 +235,10 @@ def _lifetimes(
     return after, last
 
 
+class _ReadsLoaded(Exception):
+    """A replayed step gave a tensor that is not loaded a value read from one that is."""
+
+
 class _Replay:
     """The host tensors of one replay, by the id of the build's tensor they stand for."""
 
@@ -218,12 +248,20 @@ class _Replay:
         self.fresh: dict[int, tuple[torch.Tensor, int]] = {}  # made here: (tensor, version)
 
     def value(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The host tensor standing for `tensor`: unset (see `_unset_like`) until written."""
+        """The host tensor standing for `tensor`: unset (see `_unset_like`) until written;
+        a meta tensor for one that is loaded after setup, or, then, that the model no longer
+        holds at the end of its build (a head's own weight before it was tied)."""
+        if id(tensor) not in self.values and self._stands_in(id(tensor)):
+            self.values[id(tensor)] = _unset_like(tensor, torch.device("meta"))
         if id(tensor) not in self.values:
             host = _unset_like(tensor)
             self.values[id(tensor)] = host
             self.fresh[id(tensor)] = (host, host._version)
         return self.values[id(tensor)]
+
+    def _stands_in(self, tid: int) -> bool:
+        loaded = self.deferred.loaded
+        return bool(loaded) and (tid in loaded or tid not in self.deferred.places)
 
     def op(self, step: InitOp) -> None:
         """Apply a recorded in-place operation to the host tensors."""
@@ -255,6 +293,10 @@ class _Replay:
     def release(self, model: nn.Module, tid: int) -> None:
         """Drop the host tensor for `tid`, first setting it where `model` holds it."""
         values, fresh = self.values.pop(tid, None), self.fresh.pop(tid, None)
+        if tid in self.deferred.loaded or tid not in self.deferred.places:
+            return  # the load sets it, or the model does not hold it
+        if values is not None and values.is_meta:
+            raise _ReadsLoaded(f"'{self.deferred.places[tid][0][1]}' took a loaded tensor's value")
         for path, name in self.deferred.places.get(tid, ()):
             module = model.get_submodule(path)
             held = own_tensors(module)[name]
@@ -279,14 +321,15 @@ def _has_nan(tensor: torch.Tensor) -> bool:
     return (tensor.is_floating_point() or tensor.is_complex()) and bool(tensor.isnan().any())
 
 
-def _unset_like(tensor: torch.Tensor) -> torch.Tensor:
+def _unset_like(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """A whole-size host tensor for `tensor`'s values (a parameter for a parameter), NaN
     where the dtype has it, so that a value left unset is found; a tensor of another dtype
-    is found unset by its version counter (no in-place write ever bumped it)."""
+    is found unset by its version counter (no in-place write ever bumped it). On `device`
+    if given (meta: a stand-in without values)."""
     if tensor.is_floating_point() or tensor.is_complex():
-        host = torch.full(tensor.shape, float("nan"), dtype=tensor.dtype)
+        host = torch.full(tensor.shape, float("nan"), dtype=tensor.dtype, device=device)
     else:
-        host = torch.zeros(tensor.shape, dtype=tensor.dtype)
+        host = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(host, requires_grad=tensor.requires_grad)
     return host
@@ -318,13 +361,18 @@ def _copy_held(tensor: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def prepare(
-    model: nn.Module, record: BuildRecord | None, places_parts: bool, device: torch.device
+    model: nn.Module,
+    record: BuildRecord | None,
+    places_parts: bool,
+    device: torch.device,
+    loaded: frozenset[str] = frozenset(),
 ) -> DeferredInit | None:
     """At setup, for a model built on the meta device (`record`: the build's, if it was
     built inside ``engine.init_empty()``): materialise and initialise it whole on `device`
     now; or, where the strategy places only this rank's part (`places_parts`), return what
-    it needs to do so part by part. None: nothing left to do (a built model too)."""
-    deferred = DeferredInit.of(model, record)
+    it needs to do so part by part. None: nothing left to do (a built model too).
+    `loaded`: state-dict names a load sets right after setup, whose values are not drawn."""
+    deferred = DeferredInit.of(model, record, loaded)
     if deferred is None:
         return None
     if places_parts:

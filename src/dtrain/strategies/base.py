@@ -56,11 +56,14 @@ class Handover:
         loss_scaling: fp16-mixed's loss scale, applied to each loss; None otherwise.
         empty_build: what the model's build did inside `engine.init_empty()` (the model is
             on the meta device), replayed to initialise it; None otherwise.
+        pretrained: the state-dict names of the tensors a Hugging Face folder sets right
+            after setup (``engine.setup(pretrained=...)``): the replay draws none of them.
     """
 
     forward_done: Callable[[], None] = _nothing
     loss_scaling: LossScaling | None = None
     empty_build: BuildRecord | None = None
+    pretrained: frozenset[str] = frozenset()
 
 
 class Strategy(CheckpointState):
@@ -109,7 +112,11 @@ class Strategy(CheckpointState):
         `self.deferred` says how `wrap` initialises that part once placed."""
         self.handover = handover
         self.deferred = materialize.prepare(
-            model, handover.empty_build, self.placement.places_parts, self.topology.device
+            model,
+            handover.empty_build,
+            self.placement.places_parts,
+            self.topology.device,
+            handover.pretrained,
         )
         self.labels = label_counter(model)
         self._note_unsynced_batchnorm(model)
