@@ -224,6 +224,11 @@ class Config:
         None, "Tensor-parallel ranks per layer (tensor, hybrid; default: --nproc for tensor)."
     )
     dp: int | None = option(None, "Data-parallel replicas (hybrid; default: --nproc / (pp x tp)).")
+    cp: int = option(
+        1,
+        "Context-parallel ranks (ddp, zero2, zero3): each sample's sequence is cut over "
+        "them and attention sees the whole sequence; the data-parallel ranks are --nproc / cp.",
+    )
     shard_size: int | None = option(
         None,
         "hsdp: ranks that shard each replica's state (default: the processes of one "

@@ -107,10 +107,14 @@ class Embeddings(nn.Module):
         self.tok = nn.Embedding(config.vocab_size, config.dim)
         self.pos = nn.Embedding(config.context, config.dim)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(N, T) token ids -> (N, T, dim)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tok(tokens) + self.pos(positions)
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(N, T) token ids -> (N, T, dim); `position_ids` (N, T): each token's position
+        (default 0 .. T-1; context parallelism gives each rank's)."""
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(position_ids)
 
 
 class OutputHead(nn.Module):
@@ -137,9 +141,12 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.head = OutputHead(c)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(N, T) token ids -> (N, T, vocab) logits."""
-        x = self.embed(tokens)
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(N, T) token ids -> (N, T, vocab) logits; `position_ids` (N, T) as `Embeddings`
+        takes them."""
+        x = self.embed(tokens, position_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(x)

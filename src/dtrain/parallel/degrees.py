@@ -1,8 +1,10 @@
-"""The degrees of data, pipeline and tensor parallelism, and the pipeline's shape: arithmetic.
+"""The degrees of data, context, pipeline and tensor parallelism, and the pipeline's shape:
+arithmetic.
 
 One :class:`Degrees` says how many ways the job is split along each dimension: data
 parallel as replicas (ddp, ``dp_replicate``) times shards (zero2/zero3, ``dp_shard``),
-pipeline stages (``pp``) and tensor shards (``tp``). Every mesh strategy is a preset over
+context parallel (``cp``: each sample's sequence cut over ranks), pipeline stages (``pp``)
+and tensor shards (``tp``). Every mesh strategy is a preset over
 it; it is validated once (the product is the world size), before any process starts (the
 launcher checks a layout with it, so this module imports no torch); `parallel/device_mesh.py`
 builds the named DeviceMesh over it.
@@ -28,9 +30,11 @@ class Degrees:
     """Pipeline stages (ranks along the chain of layers)."""
     tp: int = 1
     """Tensor-parallel ranks splitting each layer's matrices."""
+    cp: int = 1
+    """Context-parallel ranks, each holding a slice of every sample's sequence."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "pp", "tp"):
+        for name in ("dp_replicate", "dp_shard", "pp", "tp", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(
                     f"The {name} degree must be at least 1, got {getattr(self, name)}."
@@ -44,7 +48,7 @@ class Degrees:
     @property
     def world_size(self) -> int:
         """Processes the layout needs."""
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
 
     @property
     def dp_enabled(self) -> bool:
@@ -61,12 +65,19 @@ class Degrees:
         """True with more than one tensor-parallel rank."""
         return self.tp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        """True with more than one context-parallel rank."""
+        return self.cp > 1
+
     def describe(self) -> str:
-        """``dp2 x pp2 x tp1`` (with ``(replicate 2 x shard 2)`` when both are used)."""
+        """``dp2 x pp2 x tp1`` (with ``(replicate 2 x shard 2)`` when both are used, and
+        ``x cp2`` after dp with context parallelism)."""
         dp = f"dp{self.dp}"
         if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f" (replicate {self.dp_replicate} x shard {self.dp_shard})"
-        return f"{dp} x pp{self.pp} x tp{self.tp}"
+        cp = f" x cp{self.cp}" if self.cp_enabled else ""
+        return f"{dp}{cp} x pp{self.pp} x tp{self.tp}"
 
 
 def degrees_for(

@@ -1,8 +1,11 @@
-"""The named 4-D DeviceMesh over a :class:`Degrees` ("pp", "dp_replicate", "dp_shard", "tp").
+"""The named 5-D DeviceMesh over a :class:`Degrees` ("pp", "dp_replicate", "dp_shard", "cp",
+"tp").
 
 Ranks are laid out pp-major, tp-minor (as torchtitan does): the tp ranks of a stage are
-neighbours (same machine, fastest links), the dp replicas and shards of a stage come
-next, and the pipeline stages are furthest apart (they exchange only activations).
+neighbours (same machine, fastest links), then the context-parallel ranks that share each
+sample (their attention exchanges keys and values every layer), the dp replicas and shards
+of a stage next, and the pipeline stages are furthest apart (they exchange only
+activations).
 """
 
 from __future__ import annotations
@@ -12,17 +15,27 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtrain.parallel.degrees import Degrees
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class ParallelMesh:
-    """The named 4-D DeviceMesh of a :class:`Degrees`, with the data-parallel view (the
-    replicate and shard dimensions together) that batches are sharded over."""
+    """The named 5-D DeviceMesh of a :class:`Degrees`, with the data-parallel view (the
+    replicate and shard dimensions together) that batches are sharded over, and the view
+    gradients are averaged over (data-parallel and context-parallel ranks together)."""
 
     def __init__(self, degrees: Degrees, mesh: DeviceMesh) -> None:
         self.degrees = degrees
         self.device_mesh = mesh
-        self._dp_group = self._data_parallel_group()
+        d = degrees
+        # Every rank takes part in creating every group, as new_group requires.
+        self._dp_group = (
+            self.group("dp_shard" if d.dp_shard > 1 else "dp_replicate")
+            if d.dp_replicate == 1 or d.dp_shard == 1
+            else _groups_over(mesh, (0, 3, 4, 1, 2), d.dp)
+        )
+        self._grad_group = (
+            _groups_over(mesh, (0, 4, 1, 2, 3), d.dp * d.cp) if d.cp_enabled else self._dp_group
+        )
 
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         return self.device_mesh[dims]
@@ -35,9 +48,11 @@ class ParallelMesh:
         """The process group along `dim`."""
         return self.device_mesh.get_group(dim)
 
-    def rank_at(self, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 0, tp: int = 0) -> int:
+    def rank_at(
+        self, pp: int = 0, dp_replicate: int = 0, dp_shard: int = 0, cp: int = 0, tp: int = 0
+    ) -> int:
         """The global rank at these coordinates."""
-        return int(self.device_mesh.mesh[pp, dp_replicate, dp_shard, tp])
+        return int(self.device_mesh.mesh[pp, dp_replicate, dp_shard, cp, tp])
 
     @property
     def dp_rank(self) -> int:
@@ -46,36 +61,46 @@ class ParallelMesh:
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        """Every data-parallel rank of this rank's (stage, tp shard): the batch's readers."""
+        """Every data-parallel rank of this rank's (stage, context slice, tp shard): the
+        batch's readers."""
         return self._dp_group
 
     @property
+    def grad_group(self) -> dist.ProcessGroup:
+        """The ranks whose gradients are averaged: the data-parallel ranks, with context
+        parallelism times the context-parallel ranks (each computed its slice's share)."""
+        return self._grad_group
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards over: 1-D (shard), or 2-D (replicate, shard) for HSDP."""
+        """The mesh FSDP shards over: 1-D (shard, or shard x cp flattened), or 2-D
+        (replicate, shard) for HSDP."""
         d = self.degrees
+        if d.cp_enabled:
+            return DeviceMesh.from_group(
+                self._grad_group, self.device_mesh.device_type, mesh_dim_names=("dp_cp",)
+            )
         if d.dp_replicate > 1 and d.dp_shard > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard" if d.dp_shard > 1 else "dp_replicate"]
 
-    def _data_parallel_group(self) -> dist.ProcessGroup:
-        d = self.degrees
-        if d.dp_replicate == 1 or d.dp_shard == 1:
-            return self.group("dp_shard" if d.dp_shard > 1 else "dp_replicate")
-        # Both dimensions: one group per (stage, tp shard) over their product. Every rank
-        # takes part in creating every group, as new_group requires.
-        ranks = self.device_mesh.mesh.permute(0, 3, 1, 2).reshape(-1, d.dp).tolist()
-        me = dist.get_rank()
-        mine = None
-        for members in ranks:
-            group = dist.new_group(members)
-            if me in members:
-                mine = group
-        assert mine is not None
-        return mine
+
+def _groups_over(mesh: DeviceMesh, order: tuple[int, ...], size: int) -> dist.ProcessGroup:
+    """This rank's group among those over the last dimensions of `mesh` permuted by
+    `order`, `size` ranks each (every rank creates every group)."""
+    ranks = mesh.mesh.permute(*order).reshape(-1, size).tolist()
+    me = dist.get_rank()
+    mine = None
+    for members in ranks:
+        group = dist.new_group(members)
+        if me in members:
+            mine = group
+    assert mine is not None
+    return mine
 
 
 def parallel_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
     """The named mesh of `degrees` over every rank (a collective: every rank must call it)."""
     d = degrees
-    shape = (d.pp, d.dp_replicate, d.dp_shard, d.tp)
+    shape = (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp)
     return ParallelMesh(d, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS))

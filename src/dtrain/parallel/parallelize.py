@@ -133,7 +133,7 @@ def parallelize(
         apply_fsdp(units, blocks, mesh.dp_mesh, shard, device)
     elif d.dp_enabled and (stages or plan is not None):
         apply_replicate(units, blocks, mesh.dp_mesh)
-    elif d.dp_enabled:
+    elif d.dp_enabled or d.cp_enabled:
         compression = config.grad_compression
         hosts = (
             host_groups(d.dp, config.nproc, cast_dtype(compression))
@@ -142,7 +142,7 @@ def parallelize(
         )
         wrapped = apply_ddp(
             model,
-            mesh.dp_group,
+            mesh.grad_group,
             device,
             hosts,
             config.find_unused_parameters,

@@ -199,12 +199,16 @@ class Strategy(CheckpointState):
         in the optimizer's step.
         """
         with self.autocast():
-            _, loss = forward_loss(self.model, batch, loss_fn)  # type: ignore[arg-type]
+            loss = self._forward_loss(batch, loss_fn)
         self.handover.forward_done()
         scaling = self.handover.loss_scaling
         weighted = weigh(loss, scale)
         self.backward(weighted if scaling is None else scaling.scale(weighted))
         return weighted.detach()
+
+    def _forward_loss(self, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+        """The forward of one micro-batch: its mean loss (`dtrain.step.batches`)."""
+        return forward_loss(self.model, batch, loss_fn)[1]  # type: ignore[arg-type]
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` and make the gradients ready for the optimizer."""

@@ -28,6 +28,7 @@ from dtrain.config import Config
 from dtrain.errors import ConfigError, SetupError
 from dtrain.parallel.broadcast import broadcast_model
 from dtrain.parallel.clip import clip_grad_norm
+from dtrain.parallel.context_parallel import SequenceCut
 from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.device_mesh import parallel_mesh
@@ -40,7 +41,7 @@ from dtrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from dtrain.parallel.unused import UnusedWatch
 from dtrain.process.logs import LOGGER
 from dtrain.process.topology import Topology
-from dtrain.step.batches import LossFn, Weight, pipeline_parts
+from dtrain.step.batches import LossFn, Weight, forward_loss, pipeline_parts
 from dtrain.strategies.base import Strategy
 from dtrain.strategies.dcp_state import load_full_state, whole_state
 from dtrain.strategies.placement import Placement
@@ -62,6 +63,8 @@ class MeshStrategy(Strategy):
         self.mesh = parallel_mesh(self.degrees, topology.device.type)
         self.pipelined = self.degrees.pp_enabled
         """A pipeline's schedule runs forward and backward (a value: read every step)."""
+        self.sequence = SequenceCut(self.mesh.group("cp")) if self.degrees.cp_enabled else None
+        """How each batch's sequence is cut over the context-parallel ranks (--cp)."""
         self.placement = self._placement()
         self.parts: Parallelized | None = None
         self._whole: dict[str, torch.Size] = {}
@@ -169,6 +172,8 @@ class MeshStrategy(Strategy):
         if self.deferred is not None:  # built on the meta device: this rank's part, placed
             self.deferred.initialise(model)
         hooks.register(self.parts.local)
+        if self.sequence is not None:
+            self.sequence.check_model(model)
         if d.tp_enabled and not d.dp_enabled:
             # Layers the plan does not split keep plain tensors beside the DTensors; a
             # script's own torch.nn.utils.clip_grad_norm_ (or any op) over both would be
@@ -207,6 +212,10 @@ class MeshStrategy(Strategy):
         loss is averaged over the dp replicas, so a non-finite loss on any of them is
         seen by all."""
         pipeline = self.pipeline
+        if self.sequence is not None:  # forward and backward (a recompute) attend over all
+            part, positions = self.sequence.cut(batch)
+            with self.sequence.attending(positions):
+                return super().forward_backward(part, loss_fn, scale)
         if pipeline is None:
             return super().forward_backward(batch, loss_fn, scale)
         inputs, targets, extras, loss_fn = pipeline_parts(batch, loss_fn, pipeline.feed)
@@ -219,6 +228,12 @@ class MeshStrategy(Strategy):
             dist.all_reduce(loss, group=self.placement.dp_group)
             loss = loss / replicas
         return loss
+
+    def _forward_loss(self, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+        """With --cp, the model is told its tokens' positions."""
+        if self.sequence is None:
+            return super()._forward_loss(batch, loss_fn)
+        return forward_loss(self.sequence.call(self.model), batch, loss_fn)[1]  # type: ignore[arg-type]
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.pipelined:

@@ -189,9 +189,15 @@ class MeshSpec(StrategySpec):
     def layout(self, config: Config, world_size: int) -> Degrees:
         """The degrees for `config` on `world_size` processes, checked (a ConfigError
         naming the fix otherwise)."""
+        cp = config.cp
+        if world_size % cp:
+            raise ConfigError(
+                f"--cp {cp} does not divide the {world_size} processes, so no whole number "
+                f"of data-parallel ranks fits; make --nproc a multiple of {cp}, or change --cp."
+            )
         if self.reshard_after_forward is None:
-            return Degrees(dp_replicate=world_size)
-        return Degrees(dp_shard=world_size)
+            return Degrees(dp_replicate=world_size // cp, cp=cp)
+        return Degrees(dp_shard=world_size // cp, cp=cp)
 
     def dp_mode(self, config: Config) -> str:
         """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 MODEL_PARALLEL = ("pipeline", "tensor", "hybrid")
 """The strategies that read --pp, --tp, --dp, --dp-mode and the pipeline's shape."""
+CONTEXT_PARALLEL = ("ddp", "zero2", "zero3", "fsdp")
+"""The strategies that cut the sequence over --cp ranks."""
 
 
 def pipeline_flags(config: Config) -> list[str]:
@@ -49,6 +51,18 @@ def check(config: Config) -> None:
         )
     for flag, value in (("--pp", config.pp), ("--tp", config.tp), ("--dp", config.dp)):
         at_least(flag, value)
+    at_least("--cp", config.cp)
+    if config.cp > 1 and (config.strategy or "ddp") not in CONTEXT_PARALLEL:
+        raise ConfigError(
+            f"--cp {config.cp} cuts each sample's sequence over {config.cp} ranks, which "
+            f"--strategy {config.strategy} does not do (context parallelism runs under ddp, "
+            "zero2 and zero3); use one of those, or drop --cp."
+        )
+    if config.cp > 1 and config.hierarchical:
+        raise ConfigError(
+            "--hierarchical averages gradients machine by machine over the data-parallel "
+            "ranks, but with --cp the context-parallel ranks average theirs too; drop one."
+        )
     one_of("--schedule", config.schedule, SCHEDULES)
     one_of("--dp-mode", config.dp_mode, DP_MODES)
     at_least("--microbatches", config.microbatches)

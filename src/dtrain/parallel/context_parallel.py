@@ -1,0 +1,225 @@
+"""Context parallelism: each sample's sequence cut over the cp ranks, attention over all of it.
+
+**The cut.** A sequence of T tokens is cut into 2 x cp chunks of T / (2 cp); context rank r
+holds chunks r and 2 cp - 1 - r (head-tail load balancing, as Megatron's and torch's context
+parallelism do for causal attention: every rank then holds the same share of the causal
+mask's work). The inputs and the targets are cut alike, and the model is told the true
+position of every token it holds (``position_ids``), which its position embeddings need.
+
+**Attention.** While a step's forward runs, ``F.scaled_dot_product_attention`` attends each
+rank's queries to the whole sequence's keys and values: they are gathered from the cp ranks
+(an all-gather whose backward reduce-scatters: each rank gets the gradient of its own
+keys and values, summed over the ranks that attended to them), and each local chunk of
+queries attends the keys up to its chunk's end with the causal mask aligned to the lower right
+(``torch.nn.attention.bias.causal_lower_right``, which the fused kernels take without
+building a mask). That is the attention one process computes over the whole sequence,
+chunk by chunk. The traffic per layer is torch's ring attention's under its default
+all-gather rotation (every rank receives the others' keys and values, (cp - 1) / cp of
+them); torch's own context parallelism (``torch.distributed.tensor.experimental``) is a
+prototype that dispatches only the CUDA attention kernels, so it cannot run on the CPU
+ranks the tests use. Each rank holds the whole sequence's keys and values during its
+layer's attention, everything else only for its own tokens.
+
+**The loss.** Each rank's loss is the mean over its tokens: every rank holds as many, so
+the mean over the data- and context-parallel ranks, which their gradient averaging
+computes, is the mean over every token of the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+
+from dtrain.errors import ConfigError, SetupError
+from dtrain.step.batches import is_pair
+
+SDPA = F.scaled_dot_product_attention
+"""torch's own attention, which the cut attention calls chunk by chunk."""
+
+
+def held_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the 2 x `cp` chunks of every sequence that context rank `rank` holds, in
+    the order it holds them (head-tail load balancing)."""
+    return rank, 2 * cp - 1 - rank
+
+
+class SequenceCut:
+    """How this rank cuts each batch's sequence and attends over the whole of it.
+
+    Args:
+        group: the context-parallel ranks of this rank's data-parallel share.
+        model_class: the model's class name, for messages.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, model_class: str = "the model") -> None:
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.model_class = model_class
+        self._attended = 0
+        self._positions: torch.Tensor | None = None
+        """The positions of the tokens of the step's cut, while it runs."""
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse, by name, a model that cannot be told its tokens' positions; refuse a
+        forward that builds a graph outside a step's cut (a loop written by hand)."""
+        self.model_class = type(model).__name__
+        if "position_ids" not in inspect.signature(model.forward).parameters:
+            raise ConfigError(
+                f"--cp {self.cp} cuts each sample's sequence over {self.cp} ranks, so the "
+                f"model must be told each token's position, but {self.model_class}.forward "
+                "takes no position_ids argument. Give its forward a position_ids=None "
+                "argument used by its position embeddings (dtrain passes each rank's "
+                "positions), or drop --cp."
+            )
+        model.register_forward_pre_hook(self._outside_a_step)
+
+    def _outside_a_step(self, module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled() and self._positions is None:
+            raise SetupError(
+                f"Under --cp {self.cp} dtrain cuts each batch's sequence inside "
+                "engine.train_step; a forward of the model outside it would attend within "
+                "each rank's whole batch. Train with engine.train_step(batch, loss_fn), "
+                "evaluate with engine.evaluate or under torch.no_grad()."
+            )
+
+    def cut(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        """(this rank's part of `batch`, the positions of its tokens (N, T / cp)): an
+        ``(inputs, targets)`` pair whose inputs are (N, T, ...) token sequences and whose
+        targets are (N, T, ...) per token."""
+        if not is_pair(batch):
+            raise ConfigError(
+                f"--cp cuts (inputs, targets) batches of token sequences; this batch is a "
+                f"{type(batch).__name__}. Pass (inputs, targets) with the sequence in "
+                "dimension 1 of both, with your loss_fn, or drop --cp."
+            )
+        inputs, targets = batch
+        t = inputs.shape[1] if inputs.dim() > 1 else 0
+        if inputs.dim() < 2 or targets.dim() < 2 or targets.shape[:2] != inputs.shape[:2]:
+            raise ConfigError(
+                f"--cp cuts the sequence (dimension 1) of the inputs and targets alike; got "
+                f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)}. Give "
+                "one target per token, or drop --cp."
+            )
+        if t % (2 * self.cp):
+            raise ConfigError(
+                f"--cp {self.cp} cuts each sequence into {2 * self.cp} equal chunks, which "
+                f"a sequence of {t} tokens does not divide into; use sequences of a multiple "
+                f"of {2 * self.cp} tokens."
+            )
+        c = t // (2 * self.cp)
+        index = torch.cat(
+            [torch.arange(j * c, (j + 1) * c) for j in held_chunks(self.cp, self.rank)]
+        ).to(inputs.device)
+        positions = index.unsqueeze(0).expand(inputs.shape[0], -1)
+        return (inputs.index_select(1, index), targets.index_select(1, index)), positions
+
+    @contextlib.contextmanager
+    def attending(self, positions: torch.Tensor) -> Iterator[None]:
+        """Inside this block (a step's forward and backward, whose recomputed activations
+        attend too) the model's attention sees the whole sequence (see the module's
+        docstring) and `call` tells it the `positions` of its cut's tokens; a model that
+        attended nothing through ``F.scaled_dot_product_attention`` is refused by name."""
+        F.scaled_dot_product_attention = self._attend  # type: ignore[assignment]
+        self._positions = positions
+        try:
+            yield
+        finally:
+            F.scaled_dot_product_attention = SDPA
+            self._positions = None
+        if self._attended == 0:
+            raise ConfigError(
+                f"--cp {self.cp} cuts each sample's sequence, but {self.model_class}'s forward "
+                "never called torch.nn.functional.scaled_dot_product_attention, the attention "
+                "dtrain makes attend over the whole sequence: its tokens would see only "
+                "their rank's slice. Compute attention with F.scaled_dot_product_attention "
+                "(Hugging Face: attn_implementation='sdpa'), or drop --cp."
+            )
+
+    def call(self, model: Callable[..., Any]) -> Callable[..., Any]:
+        """`model` called with the positions of the step's cut as ``position_ids``."""
+        return functools.partial(model, position_ids=self._positions)
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """``F.scaled_dot_product_attention`` of this rank's queries (..., L, E) over the
+        whole sequence's keys and values, L the rank's tokens (two chunks)."""
+        if attn_mask is not None:
+            raise ConfigError(
+                f"{self.model_class}'s attention passes an attention mask, which --cp "
+                "cannot cut (it is built for the whole sequence, or for a rank's slice of "
+                "it); use is_causal=True without a mask, or drop --cp."
+            )
+        self._attended += 1
+        keys, values = self._whole(key), self._whole(value)
+        c = query.shape[-2] // 2
+        out = []
+        # torch's own attention while the chunks attend: the lower-right causal bias
+        # dispatches by identity with F.scaled_dot_product_attention.
+        F.scaled_dot_product_attention = SDPA
+        try:
+            for half, j in enumerate(held_chunks(self.cp, self.rank)):
+                q = query[..., half * c : (half + 1) * c, :]
+                end = (j + 1) * c if is_causal else keys.shape[-2]
+                out.append(
+                    SDPA(
+                        q,
+                        keys[..., :end, :],
+                        values[..., :end, :],
+                        attn_mask=causal_lower_right(c, end) if is_causal else None,
+                        dropout_p=dropout_p,
+                        scale=scale,
+                        enable_gqa=enable_gqa,
+                    )
+                )
+        finally:
+            F.scaled_dot_product_attention = self._attend  # type: ignore[assignment]
+        return torch.cat(out, dim=-2)
+
+    def _whole(self, part: torch.Tensor) -> torch.Tensor:
+        """The whole sequence (..., T, E) from every rank's two chunks (..., 2c, E)."""
+        parts = _Gathered.apply(part, self.group).unbind(0)
+        c = part.shape[-2] // 2
+        chunks: list[torch.Tensor | None] = [None] * (2 * self.cp)
+        for rank, held in enumerate(parts):
+            for half, j in enumerate(held_chunks(self.cp, rank)):
+                chunks[j] = held[..., half * c : (half + 1) * c, :]
+        return torch.cat(chunks, dim=-2)  # type: ignore[arg-type]
+
+
+class _Gathered(torch.autograd.Function):
+    """Every rank's `part`, stacked in rank order (cp, ...); backward hands each rank the
+    sum over the ranks of the gradient of its own part."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        part = part.contiguous()
+        cp = dist.get_world_size(group)
+        out = part.new_empty((cp * part.shape[0], *part.shape[1:]))
+        dist.all_gather_into_tensor(out, part, group=group)
+        return out.view(cp, *part.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        mine = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(mine, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        return mine, None
