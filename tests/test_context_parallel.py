@@ -19,6 +19,7 @@ from training import CLOSE
 import dtrain
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig, lm_loss
+from dtrain.parallel.hf_context import UNMASKED, attention_switch
 
 STEPS = 4
 LENGTH = 64
@@ -26,7 +27,44 @@ CONFIG = GPTConfig(vocab_size=48, context=LENGTH, dim=32, layers=2, heads=4)
 LAYOUTS_AT_2: list[dict[str, Any]] = [
     {"strategy": "ddp", "cp": 2},
     {"strategy": "zero3", "cp": 2},
+    {"strategy": "ddp", "cp": 2, "model": "llama"},
+    {"strategy": "zero3", "cp": 2, "model": "llama"},
 ]
+
+
+class Prompted(Dataset):
+    """Random token sequences as Hugging Face batches, ``{"input_ids", "labels"}``, the
+    first 3 + i % 29 labels of sample i masked (-100): the context ranks of a sample hold
+    different numbers of labels, which the mean over all of them must weigh."""
+
+    def __init__(self) -> None:
+        self.ids = Tokens().ids[:, :-1]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i].clone()
+        labels[: 3 + i % 29] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def llama() -> torch.nn.Module:
+    """A tiny Hugging Face Llama (grouped-query attention: 4 heads, 2 key/value heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=CONFIG.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=LENGTH,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
 
 
 class Tokens(Dataset):
@@ -48,12 +86,14 @@ def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
     (saved as a checkpoint under its "save" path, if it names one)."""
     layout = dict(layout)
     save = layout.pop("save", None)
+    hf = layout.pop("model", "gpt") == "llama"
     engine = dtrain.init(seed=0, cpu=True, **layout)
     torch.manual_seed(0)
-    model = GPT(CONFIG)
+    model = llama() if hf else GPT(CONFIG)
     model, _ = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
-    for batch in engine.dataloader(Tokens(), global_batch_size=4):
-        engine.train_step(batch, lm_loss)
+    data = Prompted() if hf else Tokens()
+    for batch in engine.dataloader(data, global_batch_size=4):
+        engine.train_step(batch, None if hf else lm_loss)  # Llama: its own loss
         if engine.step == STEPS:
             break
     params = engine.state_dict()
@@ -69,13 +109,20 @@ def trained_each(layouts: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]
 
 @pytest.mark.timeout(300)
 def test_the_sequence_cut_over_two_ranks_trains_as_single(tmp_path: Path) -> None:
-    expected = trained({"strategy": "single"})
+    expected = {
+        model: trained({"strategy": "single", "model": model}) for model in ("gpt", "llama")
+    }
     results = run_ranks(trained_each, 2, LAYOUTS_AT_2, timeout=280)
     for layout, got in zip(LAYOUTS_AT_2, results[0], strict=True):
-        assert_close(got, expected, **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
-    layout = {"strategy": "zero3", "cp": 2, "save": str(tmp_path / "ckpt")}
-    [beside] = run_ranks(trained_each, 4, [layout], timeout=280)[0]
-    assert_close(beside, expected, **CLOSE, msg=lambda m: f"zero3 dp2 x cp2: {m}")
+        want = expected[layout.get("model", "gpt")]
+        assert_close(got, want, **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
+    layouts = [
+        {"strategy": "zero3", "cp": 2, "save": str(tmp_path / "ckpt")},
+        {"strategy": "zero3", "cp": 2, "model": "llama"},
+    ]
+    beside, hf_beside = run_ranks(trained_each, 4, layouts, timeout=280)[0]
+    assert_close(beside, expected["gpt"], **CLOSE, msg=lambda m: f"zero3 dp2 x cp2: {m}")
+    assert_close(hf_beside, expected["llama"], **CLOSE, msg=lambda m: f"llama dp2 x cp2: {m}")
     # cp holds no shard of its own: the checkpoint loads whole into one process.
     engine = dtrain.init(strategy="single", cpu=True)
     model, _ = engine.setup(GPT(CONFIG))
@@ -115,7 +162,8 @@ def refusals() -> list[str]:
     gpt = GPT(CONFIG)
     model, _ = engine.setup(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1))
     attempt(lambda: engine.train_step((ids[:, :61], ids[:, 1:62]), lm_loss))
-    attempt(lambda: engine.train_step({"input_ids": ids[:, :-1]}))
+    padded = {"input_ids": ids[:, :-1], "attention_mask": torch.ones_like(ids[:, :-1])}
+    attempt(lambda: engine.train_step(padded))
     attempt(lambda: engine.train_step((ids[:, :-1], ids[:, 0]), lm_loss))
     attempt(lambda: model(ids[:, :-1]))  # a loop by hand
     engine.close()
@@ -136,7 +184,7 @@ def test_what_the_cut_cannot_honour_is_refused_by_name() -> None:
     assert said[0] == said[1]
     expected = [
         r"into 4 equal chunks, which a sequence of 61 tokens does not divide",
-        r"--cp cuts \(inputs, targets\) batches of token sequences; this batch is a dict",
+        r"the batch's attention_mask would describe the whole sequence \(or padding",
         r"cuts the sequence \(dimension 1\) of the inputs and targets alike",
         r"a forward of the model outside it would attend within",
         r"HandAttention's forward never called torch.nn.functional.scaled_dot_product_attention",
@@ -152,3 +200,14 @@ def test_layouts_without_the_cut_are_refused_before_launch() -> None:
         dtrain.init(strategy="tensor", cp=2)
     with pytest.raises(ConfigError, match=r"--cp must be at least 1, got 0"):
         dtrain.init(strategy="ddp", cp=0)
+
+
+def test_a_hugging_face_model_attending_otherwise_than_by_sdpa_is_refused() -> None:
+    model = llama()
+    model.config._attn_implementation = "eager"  # its own matmuls: nothing to cut
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM attends with 'eager'"):
+        attention_switch(model)
+    model.config._attn_implementation = "sdpa"
+    with attention_switch(model)():  # a step: transformers builds no mask
+        assert model.config._attn_implementation == UNMASKED
+    assert model.config._attn_implementation == "sdpa"

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -40,7 +40,8 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from dtrain.errors import ConfigError, SetupError
-from dtrain.step.batches import is_pair
+from dtrain.parallel.hf_context import attention_switch
+from dtrain.step.batches import IGNORE_INDEX, LabelCounter, is_pair
 
 SDPA = F.scaled_dot_product_attention
 """torch's own attention, which the cut attention calls chunk by chunk."""
@@ -65,14 +66,23 @@ class SequenceCut:
         self.cp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.model_class = model_class
+        self.shifts_labels = False
+        """The model's own loss predicts each label from the token before it (a Hugging
+        Face causal LM): its labels are shifted before the cut, not after."""
+        self._switch: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        )
         self._attended = 0
         self._positions: torch.Tensor | None = None
         """The positions of the tokens of the step's cut, while it runs."""
 
-    def check_model(self, model: nn.Module) -> None:
+    def check_model(self, model: nn.Module, counter: LabelCounter | None) -> None:
         """Refuse, by name, a model that cannot be told its tokens' positions; refuse a
-        forward that builds a graph outside a step's cut (a loop written by hand)."""
+        forward that builds a graph outside a step's cut (a loop written by hand).
+        `counter`: how the model's own loss counts its labels, if it has one."""
         self.model_class = type(model).__name__
+        self.shifts_labels = counter is not None and counter.shifted
+        self._switch = attention_switch(model)
         if "position_ids" not in inspect.signature(model.forward).parameters:
             raise ConfigError(
                 f"--cp {self.cp} cuts each sample's sequence over {self.cp} ranks, so the "
@@ -95,21 +105,62 @@ class SequenceCut:
     def cut(self, batch: Any) -> tuple[Any, torch.Tensor]:
         """(this rank's part of `batch`, the positions of its tokens (N, T / cp)): an
         ``(inputs, targets)`` pair whose inputs are (N, T, ...) token sequences and whose
-        targets are (N, T, ...) per token."""
+        targets are (N, T, ...) per token, or a dict of ``input_ids`` (N, T) and what goes
+        with them (`_cut_dict`)."""
+        if isinstance(batch, Mapping):
+            return self._cut_dict(batch)
         if not is_pair(batch):
             raise ConfigError(
-                f"--cp cuts (inputs, targets) batches of token sequences; this batch is a "
-                f"{type(batch).__name__}. Pass (inputs, targets) with the sequence in "
-                "dimension 1 of both, with your loss_fn, or drop --cp."
+                f"--cp cuts (inputs, targets) batches of token sequences or dicts of "
+                f"input_ids; this batch is a {type(batch).__name__}. Pass one of those, "
+                "or drop --cp."
             )
         inputs, targets = batch
-        t = inputs.shape[1] if inputs.dim() > 1 else 0
         if inputs.dim() < 2 or targets.dim() < 2 or targets.shape[:2] != inputs.shape[:2]:
             raise ConfigError(
                 f"--cp cuts the sequence (dimension 1) of the inputs and targets alike; got "
                 f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)}. Give "
                 "one target per token, or drop --cp."
             )
+        index, positions = self._held(inputs)
+        return (inputs.index_select(1, index), targets.index_select(1, index)), positions
+
+    def _cut_dict(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        """A dict batch's ``input_ids`` (N, T) cut, with every tensor of the same first
+        two dimensions (``labels``, ``token_type_ids``); a causal LM's labels shifted
+        first (``shift_labels``: the label of the token after each one), which its own
+        loss takes as they are."""
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ConfigError(
+                "--cp cuts a dict batch's input_ids (N, T), which this batch does not hold; "
+                "pass input_ids, or drop --cp."
+            )
+        given = [key for key in ("attention_mask", "position_ids") if key in batch]
+        if given:
+            raise ConfigError(
+                f"--cp cuts each sequence and gives the model its tokens' positions itself; "
+                f"the batch's {' and '.join(given)} would describe the whole sequence (or "
+                "padding, which the cut cannot honour). Give batches of unpadded sequences "
+                f"without {' or '.join(given)}, or drop --cp."
+            )
+        index, positions = self._held(ids)
+        whole = dict(batch)
+        labels = whole.get("labels")
+        if self.shifts_labels and isinstance(labels, torch.Tensor) and "shift_labels" not in whole:
+            whole["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        part = {
+            key: value.index_select(1, index)
+            if isinstance(value, torch.Tensor) and value.shape[:2] == ids.shape
+            else value
+            for key, value in whole.items()
+        }
+        return part, positions
+
+    def _held(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the indices of the tokens this rank holds along dimension 1, their positions
+        (N, T / cp)) for sequences of `tokens`' length."""
+        t = tokens.shape[1]
         if t % (2 * self.cp):
             raise ConfigError(
                 f"--cp {self.cp} cuts each sequence into {2 * self.cp} equal chunks, which "
@@ -119,9 +170,16 @@ class SequenceCut:
         c = t // (2 * self.cp)
         index = torch.cat(
             [torch.arange(j * c, (j + 1) * c) for j in held_chunks(self.cp, self.rank)]
-        ).to(inputs.device)
-        positions = index.unsqueeze(0).expand(inputs.shape[0], -1)
-        return (inputs.index_select(1, index), targets.index_select(1, index)), positions
+        ).to(tokens.device)
+        return index, index.unsqueeze(0).expand(tokens.shape[0], -1)
+
+    def label_share(self, count: torch.Tensor) -> torch.Tensor:
+        """The weight of this rank's mean loss over its `count` labels, such that the mean
+        over the context ranks of the weighted losses is the mean over all their labels
+        (a collective over the context ranks)."""
+        total = count.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return count * self.cp / total
 
     @contextlib.contextmanager
     def attending(self, positions: torch.Tensor) -> Iterator[None]:
@@ -132,7 +190,8 @@ class SequenceCut:
         F.scaled_dot_product_attention = self._attend  # type: ignore[assignment]
         self._positions = positions
         try:
-            yield
+            with self._switch():
+                yield
         finally:
             F.scaled_dot_product_attention = SDPA
             self._positions = None

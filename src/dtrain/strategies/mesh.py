@@ -173,7 +173,7 @@ class MeshStrategy(Strategy):
             self.deferred.initialise(model)
         hooks.register(self.parts.local)
         if self.sequence is not None:
-            self.sequence.check_model(model)
+            self.sequence.check_model(model, self.labels)
         if d.tp_enabled and not d.dp_enabled:
             # Layers the plan does not split keep plain tensors beside the DTensors; a
             # script's own torch.nn.utils.clip_grad_norm_ (or any op) over both would be
@@ -212,9 +212,12 @@ class MeshStrategy(Strategy):
         loss is averaged over the dp replicas, so a non-finite loss on any of them is
         seen by all."""
         pipeline = self.pipeline
-        if self.sequence is not None:  # forward and backward (a recompute) attend over all
-            part, positions = self.sequence.cut(batch)
-            with self.sequence.attending(positions):
+        cut = self.sequence
+        if cut is not None:  # forward and backward (a recompute) attend over all
+            part, positions = cut.cut(batch)
+            if self.labels is not None and self.labels.applies(part, loss_fn):
+                scale = cut.label_share(self.labels.count(part)) * scale
+            with cut.attending(positions):
                 return super().forward_backward(part, loss_fn, scale)
         if pipeline is None:
             return super().forward_backward(batch, loss_fn, scale)
