@@ -29,6 +29,8 @@ LAYOUTS_AT_2: list[dict[str, Any]] = [
     {"strategy": "zero3", "cp": 2},
     {"strategy": "ddp", "cp": 2, "model": "llama"},
     {"strategy": "zero3", "cp": 2, "model": "llama"},
+    # Recomputed blocks attend again in backward, over the whole sequence.
+    {"strategy": "zero3", "cp": 2, "activation_checkpointing": "full"},
 ]
 
 
@@ -178,6 +180,15 @@ def refusals() -> list[str]:
     return said
 
 
+def compiled_refusal() -> str:
+    """What --cp 2 says to a model passed in compiled."""
+    engine = dtrain.init(strategy="ddp", cp=2, cpu=True)
+    with pytest.raises(ConfigError) as refused:
+        engine.setup(torch.compile(GPT(CONFIG)))
+    engine.close()
+    return str(refused.value)
+
+
 @pytest.mark.timeout(200)
 def test_what_the_cut_cannot_honour_is_refused_by_name() -> None:
     said = run_ranks(refusals, 2, timeout=180)
@@ -193,6 +204,8 @@ def test_what_the_cut_cannot_honour_is_refused_by_name() -> None:
     assert len(said[0]) == len(expected)
     for message, pattern in zip(said[0], expected, strict=True):
         assert re.search(pattern, message), (pattern, message)
+    compiled = run_ranks(compiled_refusal, 2, timeout=120)[0]
+    assert "pass the model to engine.setup uncompiled with --cp" in compiled
 
 
 def test_layouts_without_the_cut_are_refused_before_launch() -> None:
@@ -200,6 +213,8 @@ def test_layouts_without_the_cut_are_refused_before_launch() -> None:
         dtrain.init(strategy="tensor", cp=2)
     with pytest.raises(ConfigError, match=r"--cp must be at least 1, got 0"):
         dtrain.init(strategy="ddp", cp=0)
+    with pytest.raises(ConfigError, match=r"drop --compile with --cp"):
+        dtrain.init(strategy="ddp", cp=2, compile=True)
 
 
 def test_a_hugging_face_model_attending_otherwise_than_by_sdpa_is_refused() -> None:

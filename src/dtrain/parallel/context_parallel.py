@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
 
 from dtrain.errors import ConfigError, SetupError
 from dtrain.parallel.hf_context import attention_switch
@@ -228,6 +229,32 @@ class SequenceCut:
                 "it); use is_causal=True without a mask, or drop --cp."
             )
         self._attended += 1
+        # Backward gathers the keys and values again rather than keeping the whole
+        # sequence's: a rank keeps only its own queries, keys and values for backward.
+        return checkpoint(
+            self._chunks,
+            query,
+            key,
+            value,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            use_reentrant=False,
+        )
+
+    def _chunks(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+    ) -> torch.Tensor:
+        """Each of this rank's two chunks of queries attending the whole sequence's keys
+        and values up to its end (all of them without `is_causal`)."""
         keys, values = self._whole(key), self._whole(value)
         c = query.shape[-2] // 2
         out = []

@@ -141,6 +141,12 @@ class MeshStrategy(Strategy):
         `dtrain.parallel.parallelize`); a model passed in compiled is unwrapped first and
         compiled block by block after tensor parallelism."""
         model, preparation = unwrap(model, self.config)
+        if self.sequence is not None and preparation.compile:
+            raise ConfigError(
+                "--cp replaces the model's attention for each step with one that gathers the "
+                "sequence from the context ranks, which compiling the model would trace once "
+                "and keep; pass the model to engine.setup uncompiled with --cp."
+            )
         if self.shard is not None and not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(
                 f"Strategy {self.name} shards parameters, but the model has none to train; "
@@ -365,6 +371,7 @@ class MeshStrategy(Strategy):
         # process on gloo.
         self.parts = None
         self.model = None
+        self._user = None
         gc.collect()
 
 

@@ -58,6 +58,12 @@ def check(config: Config) -> None:
             f"--strategy {config.strategy} does not do (context parallelism runs under ddp, "
             "zero2 and zero3); use one of those, or drop --cp."
         )
+    if config.cp > 1 and config.compile:
+        raise ConfigError(
+            "--cp replaces the model's attention for each step with one that gathers the "
+            "sequence from the context ranks, which --compile would trace once and keep; "
+            "drop --compile with --cp."
+        )
     if config.cp > 1 and config.hierarchical:
         raise ConfigError(
             "--hierarchical averages gradients machine by machine over the data-parallel "
