@@ -327,6 +327,7 @@ PRODUCT_DOORS = {
         "dtrain.parallel.pipeline",
         "dtrain.parallel.split",
         "dtrain.parallel.tensor_plan",
+        "dtrain.parallel.context_parallel",
         SPECS,
     },
     "keras/": PUBLIC | {"dtrain.step.batches", "dtrain.engine", "dtrain.parallel.data_parallel"},

@@ -223,6 +223,25 @@ def test_plan_lists_runnable_candidates_that_fit(
     assert json.loads(metrics.read_text())["steps"] == 3
 
 
+@pytest.mark.timeout(300)  # starts processes: not in the quick loop
+def test_plan_cuts_the_sequence_when_the_batch_is_smaller_than_the_processes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert costs.context_kv_messages(170.0, 5) == [2.0] * 10  # 2/17 of it, per block and kind
+    result = _plan_json(
+        capsys, "--model", "gpt", "--global-batch-size", "1", "--nproc", "2",
+        "--link-gbps", "1", "--link-latency-us", "300", "--probe-seconds", "0.05",
+    )  # fmt: skip
+    by_flags = {c["flags"]: c for c in result["candidates"]}
+    single, cut = by_flags["--strategy single"], by_flags["--strategy zero3 --nproc 2 --cp 2"]
+    assert "--strategy ddp --nproc 2 --cp 2" in by_flags
+    assert cut["activation_bytes"] == pytest.approx(single["activation_bytes"] / 2)
+    left = {r["flags"]: r["reason"] for r in result["left_out"]}
+    assert "smaller than the 2 data-parallel workers" in left["--strategy ddp --nproc 2"]
+    for c in result["candidates"]:
+        assert _parse(c["flags"]).strategy == c["strategy"]
+
+
 def test_every_layout_left_out_is_shown_with_its_whole_reason(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -54,6 +54,18 @@ def held_chunks(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
+def check_positions(model: nn.Module, cp: int) -> None:
+    """Refuse, by name, a model that cannot be told its tokens' positions under `cp`
+    context ranks (its forward takes no ``position_ids``)."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ConfigError(
+            f"--cp {cp} cuts each sample's sequence over {cp} ranks, so the model must be "
+            f"told each token's position, but {type(model).__name__}.forward takes no "
+            "position_ids argument. Give its forward a position_ids=None argument used by "
+            "its position embeddings (dtrain passes each rank's positions), or drop --cp."
+        )
+
+
 class SequenceCut:
     """How this rank cuts each batch's sequence and attends over the whole of it.
 
@@ -84,14 +96,7 @@ class SequenceCut:
         self.model_class = type(model).__name__
         self.shifts_labels = counter is not None and counter.shifted
         self._switch = attention_switch(model)
-        if "position_ids" not in inspect.signature(model.forward).parameters:
-            raise ConfigError(
-                f"--cp {self.cp} cuts each sample's sequence over {self.cp} ranks, so the "
-                f"model must be told each token's position, but {self.model_class}.forward "
-                "takes no position_ids argument. Give its forward a position_ids=None "
-                "argument used by its position embeddings (dtrain passes each rank's "
-                "positions), or drop --cp."
-            )
+        check_positions(model, self.cp)
         model.register_forward_pre_hook(self._outside_a_step)
 
     def _outside_a_step(self, module: nn.Module, args: Any) -> None:

@@ -48,8 +48,21 @@ def global_batch(args: argparse.Namespace, work: Workload) -> int:
     return int(args.global_batch_size)
 
 
-def check_job(args: argparse.Namespace, batch: int) -> None:
-    """Refuse a process count, machine count or batch that no layout can use."""
+def cuttable(model: object) -> bool:
+    """Whether `model`'s samples can be cut over context-parallel ranks (--cp)."""
+    from dtrain.parallel.context_parallel import check_positions
+
+    try:
+        check_positions(model, 2)  # type: ignore[arg-type]
+    except ConfigError:
+        return False
+    return True
+
+
+def check_job(args: argparse.Namespace, batch: int, cuttable: bool = False) -> None:
+    """Refuse a process count, machine count or batch that no layout can use (`cuttable`:
+    the model's samples can be cut over ranks with --cp, so a batch of fewer samples than
+    processes can still be spread)."""
     if args.nproc < 1 or args.nnodes < 1:
         raise ConfigError(
             f"--nproc and --nnodes must be at least 1, got {args.nproc} and {args.nnodes}."
@@ -60,7 +73,7 @@ def check_job(args: argparse.Namespace, batch: int) -> None:
             f"--global-batch-size must be at least 1, got {batch}; give the samples of one "
             "step, or drop the flag for the model's default."
         )
-    if batch % world:
+    if batch % world and not cuttable:
         raise ConfigError(
             f"--global-batch-size {batch} does not divide evenly over the {world} processes "
             f"of --nproc {args.nproc} x --nnodes {args.nnodes}; use a multiple of {world}, "
@@ -98,7 +111,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     source = source_of(args)
     work = load_source(source)
     batch = global_batch(args, work)
-    check_job(args, batch)
+    check_job(args, batch, cuttable(work.model))
     machine = machine_of(args)
     kept: list[Layout] = []
     left_out: list[dict[str, str]] = []

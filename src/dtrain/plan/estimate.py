@@ -86,7 +86,7 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     f = inputs.calibration.figures
     n = layout.world
     b = inputs.global_batch / n
-    s = inputs.step(b, layout.processes_per_node)
+    s = inputs.step(b, layout.processes_per_node, layout.cp)
     kind, rank = grad_compression(layout.grad_compression)
     sizes = costs.ddp_buckets(f.grad_bytes)
     extra = buffers = 0.0
@@ -102,7 +102,7 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     else:
         cast = costs.cast_bytes_factor(kind)
         buckets = [inputs.allreduce(size, n, layout, cast=cast) for size in sizes]
-    comm = overlapped(inputs, layout, buckets, s.backward)
+    comm = overlapped(inputs, layout, buckets, s.backward) + _context(inputs, layout, b)
     optimizer = s.optimizer
     stage = 0
     if layout.strategy == "zero1":
@@ -143,7 +143,7 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
     n = layout.world
     shard = layout.shard_size or n
     b = inputs.global_batch / n
-    s = inputs.step(b, layout.processes_per_node)
+    s = inputs.step(b, layout.processes_per_node, layout.cp)
     stage = 2 if layout.strategy == "zero2" else 3
 
     def gather(size: float) -> float:
@@ -159,13 +159,32 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
     forward = [gather(u) for u in units]
     backward = [(gather(u) if stage == 3 else 0.0) + scatter(u) for u in reversed(units)]
     comm = forward[0] + overlapped(inputs, layout, forward[1:], s.forward)
-    comm += overlapped(inputs, layout, backward, s.backward)
+    comm += overlapped(inputs, layout, backward, s.backward) + _context(inputs, layout, b)
     states = costs.zero_model_states(f.param_bytes, f.grad_bytes, f.optimizer_bytes, shard, stage)
     return Estimate(
         layout, b, s.data, s.compute, comm, s.optimizer / shard, 0.0, states,
         activation_bytes(inputs, b), wait_seconds=inputs.jitter_wait(n, s.compute),
         overhead_seconds=inputs.overhead("zero2" if stage == 2 else "zero3"),
     )  # fmt: skip
+
+
+def _context(inputs: Inputs, layout: Layout, batch: float) -> float:
+    """--cp's communication in a step, none of it hidden (each block's attention waits for
+    its keys and values): every block's keys and values (`costs.context_kv_messages`, the
+    whole samples' that this rank's `batch` of samples' worth of tokens belong to)
+    all-gathered over the context ranks in forward and again in backward, and their
+    gradients reduce-scattered. The data-parallel and context-parallel ranks average their
+    gradients together, as the strategy's own terms count them at `layout.world`."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    f = inputs.calibration.figures
+    whole = activation_bytes(inputs, batch * cp)
+    return sum(
+        2 * inputs.collective("all_gather", size, cp, layout)
+        + inputs.collective("reduce_scatter", size, cp, layout)
+        for size in costs.context_kv_messages(whole, len(f.unit_bytes))
+    )
 
 
 def _local_sgd(inputs: Inputs, layout: Layout) -> Estimate:
@@ -310,6 +329,6 @@ def probe_points(
             batch = replica / (layout.microbatches if layout.pp > 1 else 1)
             points.add((max(1, round(replica)), threads, True))  # its loading time
         else:
-            batch = global_batch / layout.world
+            batch = global_batch / layout.data_parallel  # whole samples (cut under --cp)
         points.add((max(1, round(batch)), threads, True))
     return points

@@ -4,7 +4,7 @@ measured figures they are computed from (`Inputs`), with the helpers all strateg
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtrain.plan import costs
 from dtrain.plan.calibrate import Calibration, StepTime
@@ -92,9 +92,16 @@ class Inputs:
     global_batch: int
     tensor: TensorFigures | None
 
-    def step(self, batch: float, processes: int) -> StepTime:
-        """Measured step parts at `batch` samples per device with `processes` per machine."""
-        return self.calibration.step(max(1, round(batch)), self.machine.threads(processes), True)
+    def step(self, batch: float, processes: int, cp: int = 1) -> StepTime:
+        """Measured step parts at `batch` samples per device with `processes` per machine.
+        With `cp` context ranks `batch` counts samples' worth of tokens: the step of
+        `batch` x `cp` whole samples, its forward and backward cut `cp` ways."""
+        whole = self.calibration.step(
+            max(1, round(batch * cp)), self.machine.threads(processes), True
+        )
+        if cp == 1:
+            return whole
+        return replace(whole, forward=whole.forward / cp, backward=whole.backward / cp)
 
     def single_step(self, batch: float) -> StepTime:
         """Measured step parts of a one-process run."""

@@ -3,10 +3,11 @@
 Candidates: single; towers (one process, N replicas); ddp; zero1/2/3; ps with K servers;
 pipeline over every stage count the world allows, under gpipe, 1f1b and interleaved
 (where the layers and micro-batches allow) with a few micro-batch counts; tensor; hybrid
-(every dp x pp x tp with at least two of them above 1); hierarchical ddp and hsdp across
-machines. A layout is kept only if dtrain itself would run it: its flags make a valid
-Config, the strategy's own launch checks pass, the global batch divides, and the model
-can be split that way (pipeline_layers(), tensor_parallel_plan(degree)). The reason
+(every dp x pp x tp with at least two of them above 1); ddp and zero3 with the sequence
+cut over every --cp the world allows; hierarchical ddp and hsdp across machines. A layout
+is kept only if dtrain itself would run it: its flags make a valid Config, the strategy's
+own launch checks pass, the global batch divides, and the model can be split that way
+(pipeline_layers(), tensor_parallel_plan(degree), position_ids for --cp). The reason
 for leaving each other one out is kept for the report.
 
 `inexact_layouts` adds the layouts that send fewer bytes by changing the training:
@@ -49,6 +50,8 @@ class Layout:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
+    """Context-parallel ranks sharing each sample (ddp, zero3)."""
     microbatches: int = 1
     schedule: str = ""
     virtual: int = 1
@@ -112,7 +115,7 @@ class Layout:
             return 1
         if self.strategy in ("pipeline", "tensor", "hybrid"):
             return self.dp
-        return self.world
+        return self.world // self.cp
 
     def flags(self) -> str:
         """The TOPOLOGY flags of `dtrain run` / `dtrain demo` that run this layout."""
@@ -135,6 +138,8 @@ class Layout:
             out.append(f"--outer-optimizer {self.outer_optimizer}")
         if self.servers:
             out.append(f"--servers {self.servers}")
+        if self.cp > 1:
+            out.append(f"--cp {self.cp}")
         if self.strategy == "hybrid":
             out.append(f"--dp {self.dp} --pp {self.pp} --tp {self.tp}")
         elif self.strategy == "pipeline":
@@ -162,6 +167,8 @@ class Layout:
         options["grad_compression"] = self.grad_compression
         if self.sync_every:
             options |= {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer}
+        if self.cp > 1:
+            options["cp"] = self.cp
         if self.strategy == "hybrid":
             options |= {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         elif self.strategy == "pipeline":
@@ -201,6 +208,8 @@ def enumerate_layouts(nproc: int, nnodes: int, gpus: int) -> list[Layout]:
         return out
     for name in ("ddp", "zero1", "zero2", "zero3"):
         out.append(Layout(name, nproc=nproc, nnodes=nnodes))
+    for cp in _divisors(world)[1:]:
+        out += [Layout(name, nproc=nproc, nnodes=nnodes, cp=cp) for name in ("ddp", "zero3")]
     if nnodes > 1:
         out.append(Layout("ddp", nproc=nproc, nnodes=nnodes, hierarchical=True))
         if nproc > 1:
@@ -248,6 +257,7 @@ def inexact_layouts(nproc: int, nnodes: int, half: str) -> list[Layout]:
 
 def check(layout: Layout, global_batch: int, model: object) -> str | None:
     """Why dtrain would refuse `layout` for this batch and model, or None if it runs."""
+    from dtrain.parallel.context_parallel import check_positions
     from dtrain.parallel.split import layers_of, split_layers
     from dtrain.parallel.tensor_plan import plan_of
     from dtrain.step.batches import check_batch
@@ -263,6 +273,8 @@ def check(layout: Layout, global_batch: int, model: object) -> str | None:
             split_layers(layers_of(model), layout.pp * layout.virtual, None)  # type: ignore[arg-type]
         if layout.tp > 1:
             plan_of(model, layout.tp)  # type: ignore[arg-type]
+        if layout.cp > 1:
+            check_positions(model, layout.cp)  # type: ignore[arg-type]
     except ConfigError as e:
         return str(e)
     return None
