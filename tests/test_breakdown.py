@@ -21,7 +21,7 @@ from dtrain.models.gpt import GPTConfig
 from dtrain.observe import flops
 from dtrain.observe.breakdown import PHASES, StepTimer
 from dtrain.observe.clock import HostClock, Mark
-from dtrain.observe.diagnosis import diagnose, table
+from dtrain.observe.diagnosis import Job, diagnose, table
 from dtrain.observe.flops import flops_per_token, gpt_throughput
 from dtrain.observe.trace import trace_events
 
@@ -121,6 +121,8 @@ def test_each_rule_names_its_cause_with_the_figures() -> None:
     chatty = {**quiet, "communication": 0.05, "step": quiet["step"] + 0.048}
     causes = diagnose([chatty, chatty], per_device_batch=4)
     assert [c["cause"] for c in causes] == ["communication", "small-batch"]
+    [cut, *_] = diagnose([chatty, chatty], job=Job("zero3", cp=2))
+    assert "a lower --cp than 2" in cut["message"]  # the keys and values are what cross
     full = diagnose([quiet], memory=[(95 * 2**30, 100 * 2**30)])
     assert full[0]["cause"] == "memory" and full[0]["rank"] == 0
     assert "dtrain: what to change" in table([chatty], causes)
@@ -161,6 +163,30 @@ def test_a_step_marks_its_last_gradient_once_the_count_is_known() -> None:
     timer.collect()
     assert list(timer.times["backward"]) == [3.0, 1.0, 1.0, 2.0]
     assert list(timer.times["communication"]) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_collectives_inside_forward_and_backward_count_as_communication() -> None:
+    clock = TickClock()  # the n-th mark reads n seconds
+    timer = StepTimer(clock)
+    timer.begin_step(1)  # 1
+    timer.begin_micro()  # 2
+    timer.collective_begin()  # 3: a gather of keys and values in forward
+    timer.collective_end()  # 4
+    timer.forward_done()  # 5
+    timer.collective_begin()  # 6: gathered again in backward's recompute
+    timer.collective_end()  # 7
+    timer.collective_begin()  # 8: their gradients reduce-scattered
+    timer.collective_end()  # 9
+    timer.grad_ready()  # 10
+    timer.end_micro()  # 11
+    timer.begin_step(2)  # 12
+    timer.collect()
+    # forward 2..5 less 1 s of gathering; backward 5..10 less 2 s; 1 s after the last
+    # gradient, and the 3 s of collectives
+    assert list(timer.times["forward"]) == [2.0]
+    assert list(timer.times["backward"]) == [3.0]
+    assert list(timer.times["communication"]) == [4.0]
+    assert list(timer.times["step"]) == [11.0]
 
 
 def test_trace_events_are_chrome_complete_events() -> None:

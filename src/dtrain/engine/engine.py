@@ -133,7 +133,9 @@ class Engine(JobView, DataSide, CheckpointSide):
         record, self._empty_build = self._empty_build, None
         folder = Path(pretrained) if pretrained is not None else None
         loaded = pretrained_names(folder) if folder is not None and record else frozenset()
-        handover = Handover(self.observers.on_forward_end, self.loss_scaling, record, loaded)
+        o = self.observers
+        timing = (o.on_collective_start, o.on_collective_end)  # collectives in a forward
+        handover = Handover(o.on_forward_end, self.loss_scaling, record, loaded, *timing)
         self.model, optimizer = self.strategy.setup(model, optimizer, handover)
         self.optimizer = optimizer
         if self.loss_scaling is not None:  # the group, read once setup made it

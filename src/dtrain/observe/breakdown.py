@@ -8,7 +8,9 @@ A step is the time from one `train_step` to the next. It is cut into:
   ``register_post_accumulate_grad_hook`` on every parameter marks it);
 - ``communication``: what backward still waited for after that, the gradient
   synchronisation compute did not hide (DDP's last buckets, a straggler's lateness), plus
-  the optimizer step of strategies whose step is the exchange itself (parameter servers);
+  the optimizer step of strategies whose step is the exchange itself (parameter servers),
+  plus the collectives the forward and backward themselves wait for (context
+  parallelism's gathers of keys and values: taken out of forward and backward);
 - ``optimizer``: clipping and the optimizer step;
 - ``other``: the rest (the user's loop between steps, logging, checkpoints).
 
@@ -48,6 +50,8 @@ class _Micro:
     end: Mark | None = None
     grads: int = 0
     """Gradients accumulated so far."""
+    collectives: list[list[Mark | None]] = field(default_factory=list)
+    """[start, end] of each collective inside its forward or backward."""
 
 
 @dataclass
@@ -142,6 +146,16 @@ class StepTimer:
             self._grads_per_micro = self._micro.grads
             self._micro = None
 
+    def collective_begin(self) -> None:
+        """A collective inside the micro-batch's forward or backward starts now."""
+        if self._micro is not None:
+            self._micro.collectives.append([self.clock.mark(), None])
+
+    def collective_end(self) -> None:
+        """The collective begun last returned."""
+        if self._micro is not None and self._micro.collectives:
+            self._micro.collectives[-1][1] = self.clock.mark()
+
     def optimizer_mark(self) -> None:
         """The optimizer phase starts (first call of a step) or ends (second call)."""
         if self._open:
@@ -175,6 +189,7 @@ class StepTimer:
             marks.append(step.start)
             for m in step.micros:
                 marks += [m.begin, m.forward, m.grad, m.end]
+                marks += [mark for pair in m.collectives for mark in pair]
             marks += step.optimizer
         marks.append(nxt.start)
         present = [m for m in marks if m is not None]
@@ -193,6 +208,7 @@ class StepTimer:
     ) -> None:
         parts = dict.fromkeys(PHASES, 0.0)
         spans: list[tuple[str, float, float]] = []
+        inner: list[tuple[str, float, float]] = []  # collectives inside forward / backward
         for m in step.micros:
             begin, fwd, grad, stop = at(m.begin), at(m.forward), at(m.grad), at(m.end)
             if begin is None or stop is None:
@@ -201,6 +217,9 @@ class StepTimer:
             ready = stop if grad is None else min(max(grad, fwd), stop)
             spans += [("forward", begin, fwd), ("backward", fwd, ready)]
             spans.append(("communication", ready, stop))
+            for a, b in ((at(c[0]), at(c[1])) for c in m.collectives):
+                if a is not None and b is not None:
+                    inner.append(("forward" if a < fwd else "backward", a, b))
         if len(step.optimizer) >= 2:
             o0, o1 = at(step.optimizer[0]), at(step.optimizer[-1])
             name = "communication" if self.exchange_in_step else "optimizer"
@@ -209,6 +228,11 @@ class StepTimer:
             spans.append(("data", *step.data))
         for name, a, b in spans:
             parts[name] += max(0.0, b - a)
+        for name, a, b in inner:
+            moved = min(max(0.0, b - a), parts[name])
+            parts[name] -= moved
+            parts["communication"] += moved
+        spans += [("communication", a, b) for _, a, b in inner]
         parts["step"] = end - start
         parts["other"] = max(0.0, parts["step"] - sum(parts[p] for p in PHASES[:5]))
         for name in PHASES:

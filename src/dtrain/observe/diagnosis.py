@@ -51,6 +51,8 @@ class Job:
     grad_compression: str = "none"
     half: str = "bf16"
     """The 16-bit format the devices reduce in: bf16, or fp16 on GPUs without bf16."""
+    cp: int = 1
+    """Context-parallel ranks sharing each sample (--cp)."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,12 @@ def _fewer_bytes(job: Job | None) -> str:
     ones first, then a 16-bit cast, then those that change it (compression only where
     dtrain runs it)."""
     generic = "use --hierarchical across machines, or a strategy that moves fewer bytes per step"
+    if job is not None and job.cp > 1:
+        return (
+            f"or cut each sample over fewer ranks (a lower --cp than {job.cp}, more "
+            "data-parallel ranks): every block's keys and values cross the context ranks, "
+            "forward and backward"
+        )
     if job is None or job.nnodes < 2:
         return generic
     exact, rounded, approximate = [], [], []

@@ -110,6 +110,13 @@ class Observer:
         """A parameter's gradient was accumulated (in backward, once per parameter: keep it
         cheap)."""
 
+    def on_collective_start(self) -> None:
+        """A collective inside the micro-batch's forward or backward starts (context
+        parallelism's gathers of keys and values): its time is communication."""
+
+    def on_collective_end(self) -> None:
+        """The collective `on_collective_start` announced returned."""
+
     def on_micro_end(self) -> None:
         """The micro-batch's backward (with its gradient synchronisation) returned."""
 
@@ -210,6 +217,14 @@ class Observers:
 
     def _grad_ready(self, _: torch.Tensor) -> None:
         for hook in self._hooks["on_grad_ready"]:
+            hook()
+
+    def on_collective_start(self) -> None:
+        for hook in self._hooks["on_collective_start"]:
+            hook()
+
+    def on_collective_end(self) -> None:
+        for hook in self._hooks["on_collective_end"]:
             hook()
 
     def on_micro_end(self) -> None:

@@ -55,6 +55,7 @@ class RunTiming(Observer):
             config.grad_compression,
             # The 16-bit format to advise: fp16 on GPUs without bf16.
             "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16",
+            config.cp,
         )
         self.per_device_batch: int | None = None
         """Samples one device computes per micro-batch, once a step has run."""
@@ -91,6 +92,12 @@ class RunTiming(Observer):
 
     def on_grad_ready(self) -> None:
         self.timer.grad_ready()
+
+    def on_collective_start(self) -> None:
+        self.timer.collective_begin()
+
+    def on_collective_end(self) -> None:
+        self.timer.collective_end()
 
     def on_micro_end(self) -> None:
         self.timer.end_micro()

@@ -31,7 +31,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -85,14 +85,19 @@ class SequenceCut:
         self._switch: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
+        self.timing: CollectiveTiming | None = None
         self._attended = 0
         self._positions: torch.Tensor | None = None
         """The positions of the tokens of the step's cut, while it runs."""
 
-    def check_model(self, model: nn.Module, counter: LabelCounter | None) -> None:
+    def check_model(
+        self, model: nn.Module, counter: LabelCounter | None, timing: CollectiveTiming
+    ) -> None:
         """Refuse, by name, a model that cannot be told its tokens' positions; refuse a
         forward that builds a graph outside a step's cut (a loop written by hand).
-        `counter`: how the model's own loss counts its labels, if it has one."""
+        `counter`: how the model's own loss counts its labels, if it has one; `timing`:
+        whom to tell when the gathers start and end (the step's breakdown)."""
+        self.timing = timing
         self.model_class = type(model).__name__
         self.shifts_labels = counter is not None and counter.shifted
         self._switch = attention_switch(model)
@@ -260,7 +265,8 @@ class SequenceCut:
     ) -> torch.Tensor:
         """Each of this rank's two chunks of queries attending the whole sequence's keys
         and values up to its end (all of them without `is_causal`)."""
-        keys, values = self._whole(key), self._whole(value)
+        with _timed(self.timing):
+            keys, values = self._whole(key), self._whole(value)
         c = query.shape[-2] // 2
         out = []
         # torch's own attention while the chunks attend: the lower-right causal bias
@@ -287,7 +293,7 @@ class SequenceCut:
 
     def _whole(self, part: torch.Tensor) -> torch.Tensor:
         """The whole sequence (..., T, E) from every rank's two chunks (..., 2c, E)."""
-        parts = _Gathered.apply(part, self.group).unbind(0)
+        parts = _Gathered.apply(part, self.group, self.timing).unbind(0)
         c = part.shape[-2] // 2
         chunks: list[torch.Tensor | None] = [None] * (2 * self.cp)
         for rank, held in enumerate(parts):
@@ -301,8 +307,10 @@ class _Gathered(torch.autograd.Function):
     sum over the ranks of the gradient of its own part."""
 
     @staticmethod
-    def forward(ctx: Any, part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(
+        ctx: Any, part: torch.Tensor, group: dist.ProcessGroup, timing: CollectiveTiming | None
+    ) -> torch.Tensor:
+        ctx.group, ctx.timing = group, timing
         part = part.contiguous()
         cp = dist.get_world_size(group)
         out = part.new_empty((cp * part.shape[0], *part.shape[1:]))
@@ -310,7 +318,29 @@ class _Gathered(torch.autograd.Function):
         return out.view(cp, *part.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         mine = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(mine, grad.flatten(0, 1).contiguous(), group=ctx.group)
-        return mine, None
+        whole = grad.flatten(0, 1).contiguous()
+        with _timed(ctx.timing):
+            dist.reduce_scatter_tensor(mine, whole, group=ctx.group)
+        return mine, None, None
+
+
+class CollectiveTiming(Protocol):
+    """Whom the cut tells when its collectives start and end (the strategy's handover)."""
+
+    collective_started: Callable[[], None]
+    collective_ended: Callable[[], None]
+
+
+@contextlib.contextmanager
+def _timed(timing: CollectiveTiming | None) -> Iterator[None]:
+    """The block's time counts as communication in the step's breakdown."""
+    if timing is None:
+        yield
+        return
+    timing.collective_started()
+    try:
+        yield
+    finally:
+        timing.collective_ended()

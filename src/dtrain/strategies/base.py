@@ -58,12 +58,17 @@ class Handover:
             on the meta device), replayed to initialise it; None otherwise.
         pretrained: the state-dict names of the tensors a Hugging Face folder sets right
             after setup (``engine.setup(pretrained=...)``): the replay draws none of them.
+        collective_started, collective_ended: tell the Engine's observers that a
+            collective inside a forward or backward starts, or ended: its time is
+            communication (`Observers.on_collective_start`).
     """
 
     forward_done: Callable[[], None] = _nothing
     loss_scaling: LossScaling | None = None
     empty_build: BuildRecord | None = None
     pretrained: frozenset[str] = frozenset()
+    collective_started: Callable[[], None] = _nothing
+    collective_ended: Callable[[], None] = _nothing
 
 
 class Strategy(CheckpointState):

@@ -179,7 +179,7 @@ class MeshStrategy(Strategy):
             self.deferred.initialise(model)
         hooks.register(self.parts.local)
         if self.sequence is not None:
-            self.sequence.check_model(model, self.labels)
+            self.sequence.check_model(model, self.labels, self.handover)
         if d.tp_enabled and not d.dp_enabled:
             # Layers the plan does not split keep plain tensors beside the DTensors; a
             # script's own torch.nn.utils.clip_grad_norm_ (or any op) over both would be
