@@ -29,6 +29,7 @@ LAYOUTS_AT_2: list[dict[str, Any]] = [
     {"strategy": "zero3", "cp": 2},
     {"strategy": "ddp", "cp": 2, "model": "llama"},
     {"strategy": "zero3", "cp": 2, "model": "llama"},
+    {"strategy": "zero1", "cp": 2},
     # Recomputed blocks attend again in backward, over the whole sequence.
     {"strategy": "zero3", "cp": 2, "activation_checkpointing": "full"},
 ]
@@ -121,10 +122,12 @@ def test_the_sequence_cut_over_two_ranks_trains_as_single(tmp_path: Path) -> Non
     layouts = [
         {"strategy": "zero3", "cp": 2, "save": str(tmp_path / "ckpt")},
         {"strategy": "zero3", "cp": 2, "model": "llama"},
+        {"strategy": "tensor", "cp": 2},  # tp2 x cp2: each rank's heads, over the sequence
     ]
-    beside, hf_beside = run_ranks(trained_each, 4, layouts, timeout=280)[0]
+    beside, hf_beside, sliced = run_ranks(trained_each, 4, layouts, timeout=280)[0]
     assert_close(beside, expected["gpt"], **CLOSE, msg=lambda m: f"zero3 dp2 x cp2: {m}")
     assert_close(hf_beside, expected["llama"], **CLOSE, msg=lambda m: f"llama dp2 x cp2: {m}")
+    assert_close(sliced, expected["gpt"], **CLOSE, msg=lambda m: f"tensor tp2 x cp2: {m}")
     # cp holds no shard of its own: the checkpoint loads whole into one process.
     engine = dtrain.init(strategy="single", cpu=True)
     model, _ = engine.setup(GPT(CONFIG))

@@ -226,8 +226,9 @@ class Config:
     dp: int | None = option(None, "Data-parallel replicas (hybrid; default: --nproc / (pp x tp)).")
     cp: int = option(
         1,
-        "Context-parallel ranks (ddp, zero2, zero3): each sample's sequence is cut over "
-        "them and attention sees the whole sequence; the data-parallel ranks are --nproc / cp.",
+        "Context-parallel ranks (ddp, zero1, zero2, zero3, tensor): each sample's sequence "
+        "is cut over them and attention sees the whole sequence; the data-parallel ranks "
+        "are --nproc / cp (tensor: the tensor-parallel ranks).",
     )
     shard_size: int | None = option(
         None,

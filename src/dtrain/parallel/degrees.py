@@ -81,11 +81,18 @@ class Degrees:
 
 
 def degrees_for(
-    strategy: str, nproc: int, dp: int | None, pp: int | None, tp: int | None, dp_mode: str = "ddp"
+    strategy: str,
+    nproc: int,
+    dp: int | None,
+    pp: int | None,
+    tp: int | None,
+    dp_mode: str = "ddp",
+    cp: int = 1,
 ) -> Degrees:
     """The degrees `strategy` runs with on `nproc` processes, or a ConfigError that says why not.
 
-    `pipeline` is pp only and `tensor` tp only (their degree defaults to --nproc); `hybrid`
+    `pipeline` is pp only and `tensor` tp only (their degree defaults to --nproc, divided by
+    `cp` context ranks for tensor); `hybrid`
     combines them, with dp defaulting to what is left of --nproc, replicated for
     ``dp_mode`` ddp and sharded for zero2/zero3. A degree given is at least 1 (Config
     refuses less).
@@ -95,7 +102,7 @@ def degrees_for(
         degrees = Degrees(pp=pp or nproc)
     elif strategy == "tensor":
         _only(strategy, "--tp", {"--dp": dp, "--pp": pp})
-        degrees = Degrees(tp=tp or nproc)
+        degrees = Degrees(tp=tp or max(1, nproc // cp), cp=cp)
     else:
         pp, tp = pp or 1, tp or 1
         if dp is None:

@@ -73,9 +73,11 @@ class ParallelMesh:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards over: 1-D (shard, or shard x cp flattened), or 2-D
-        (replicate, shard) for HSDP."""
+        """The mesh FSDP shards (or `replicate` replicates) over: 1-D (shard, the context
+        ranks, or shard x cp flattened), or 2-D (replicate, shard) for HSDP."""
         d = self.degrees
+        if d.cp_enabled and d.dp == 1:  # a slice of the mesh, as tensor parallelism needs
+            return self.device_mesh["cp"]
         if d.cp_enabled:
             return DeviceMesh.from_group(
                 self._grad_group, self.device_mesh.device_type, mesh_dim_names=("dp_cp",)

@@ -131,7 +131,7 @@ def parallelize(
     wrapped: nn.Module = model
     if shard is not None:
         apply_fsdp(units, blocks, mesh.dp_mesh, shard, device)
-    elif d.dp_enabled and (stages or plan is not None):
+    elif (d.dp_enabled or d.cp_enabled) and (stages or plan is not None):
         apply_replicate(units, blocks, mesh.dp_mesh)
     elif d.dp_enabled or d.cp_enabled:
         compression = config.grad_compression

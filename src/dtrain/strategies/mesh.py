@@ -106,7 +106,8 @@ class MeshStrategy(Strategy):
             places_parts=parts,
             # Sharded parameters are gathered in forward, and replicas of pipeline stages
             # or tensor-parallel layers (`replicate`) act there too.
-            collective_forward=sharded or (d.dp_enabled and (d.pp_enabled or d.tp_enabled)),
+            collective_forward=sharded
+            or ((d.dp_enabled or d.cp_enabled) and (d.pp_enabled or d.tp_enabled)),
             handles_precision=sharded,
             # Pipeline stages hold different layers: their gradient norms add up.
             grad_norm_groups=(self.mesh.group("pp"),) if d.pp_enabled else (),
@@ -157,7 +158,8 @@ class MeshStrategy(Strategy):
         self._model_class = type(model).__name__
         hooks = gradient_hooks(model)
         d = self.degrees
-        if self.shard is not None or (d.dp_enabled and (d.pp_enabled or d.tp_enabled)):
+        replicas = d.dp_enabled or d.cp_enabled
+        if self.shard is not None or (replicas and (d.pp_enabled or d.tp_enabled)):
             hooks.refuse(
                 self.name,
                 "its data-parallel ranks reduce each gradient into a shard or replica outside "

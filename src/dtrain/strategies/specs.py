@@ -245,7 +245,7 @@ class ModelParallelSpec(MeshSpec):
 
     def layout(self, config: Config, world_size: int) -> Degrees:
         degrees = degrees_for(
-            self.name, world_size, config.dp, config.pp, config.tp, config.dp_mode
+            self.name, world_size, config.dp, config.pp, config.tp, config.dp_mode, config.cp
         )
         if degrees.dp == 1 and config.dp_mode != "ddp":
             raise ConfigError(

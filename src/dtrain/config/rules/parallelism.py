@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 MODEL_PARALLEL = ("pipeline", "tensor", "hybrid")
 """The strategies that read --pp, --tp, --dp, --dp-mode and the pipeline's shape."""
-CONTEXT_PARALLEL = ("ddp", "zero2", "zero3", "fsdp")
+CONTEXT_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp", "tensor")
 """The strategies that cut the sequence over --cp ranks."""
 
 
@@ -55,8 +55,8 @@ def check(config: Config) -> None:
     if config.cp > 1 and (config.strategy or "ddp") not in CONTEXT_PARALLEL:
         raise ConfigError(
             f"--cp {config.cp} cuts each sample's sequence over {config.cp} ranks, which "
-            f"--strategy {config.strategy} does not do (context parallelism runs under ddp, "
-            "zero2 and zero3); use one of those, or drop --cp."
+            f"--strategy {config.strategy} does not do (context parallelism runs under "
+            "ddp, zero1, zero2, zero3 and tensor); use one of those, or drop --cp."
         )
     if config.cp > 1 and config.compile:
         raise ConfigError(
