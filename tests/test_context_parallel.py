@@ -90,11 +90,12 @@ def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
     layout = dict(layout)
     save = layout.pop("save", None)
     hf = layout.pop("model", "gpt") == "llama"
+    length = layout.pop("length", LENGTH)
     engine = dtrain.init(seed=0, cpu=True, **layout)
     torch.manual_seed(0)
     model = llama() if hf else GPT(CONFIG)
     model, _ = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
-    data = Prompted() if hf else Tokens()
+    data = Prompted() if hf else Tokens(length)
     for batch in engine.dataloader(data, global_batch_size=4):
         engine.train_step(batch, None if hf else lm_loss)  # Llama: its own loss
         if engine.step == STEPS:
@@ -128,6 +129,10 @@ def test_the_sequence_cut_over_two_ranks_trains_as_single(tmp_path: Path) -> Non
     assert_close(beside, expected["gpt"], **CLOSE, msg=lambda m: f"zero3 dp2 x cp2: {m}")
     assert_close(hf_beside, expected["llama"], **CLOSE, msg=lambda m: f"llama dp2 x cp2: {m}")
     assert_close(sliced, expected["gpt"], **CLOSE, msg=lambda m: f"tensor tp2 x cp2: {m}")
+    # Three ranks: six chunks, (0, 5), (1, 4), (2, 3); sequences of 48 tokens.
+    short = trained({"strategy": "single", "length": 48})
+    [third] = run_ranks(trained_each, 3, [{"strategy": "ddp", "cp": 3, "length": 48}])[0]
+    assert_close(third, short, **CLOSE, msg=lambda m: f"ddp cp3: {m}")
     # cp holds no shard of its own: the checkpoint loads whole into one process.
     engine = dtrain.init(strategy="single", cpu=True)
     model, _ = engine.setup(GPT(CONFIG))
