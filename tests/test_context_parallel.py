@@ -124,8 +124,11 @@ def test_the_sequence_cut_over_two_ranks_trains_as_single(tmp_path: Path) -> Non
         {"strategy": "zero3", "cp": 2, "save": str(tmp_path / "ckpt")},
         {"strategy": "zero3", "cp": 2, "model": "llama"},
         {"strategy": "tensor", "cp": 2},  # tp2 x cp2: each rank's heads, over the sequence
+        # Two replicas, each sharded over its 2 context ranks (a 2-D mesh, as across hosts).
+        {"strategy": "hsdp", "cp": 2, "shard_size": 2},
     ]
-    beside, hf_beside, sliced = run_ranks(trained_each, 4, layouts, timeout=280)[0]
+    beside, hf_beside, sliced, hybrid = run_ranks(trained_each, 4, layouts, timeout=280)[0]
+    assert_close(hybrid, expected["gpt"], **CLOSE, msg=lambda m: f"hsdp 2 x (1 x cp2): {m}")
     assert_close(beside, expected["gpt"], **CLOSE, msg=lambda m: f"zero3 dp2 x cp2: {m}")
     assert_close(hf_beside, expected["llama"], **CLOSE, msg=lambda m: f"llama dp2 x cp2: {m}")
     assert_close(sliced, expected["gpt"], **CLOSE, msg=lambda m: f"tensor tp2 x cp2: {m}")

@@ -226,7 +226,7 @@ class Config:
     dp: int | None = option(None, "Data-parallel replicas (hybrid; default: --nproc / (pp x tp)).")
     cp: int = option(
         1,
-        "Context-parallel ranks (ddp, zero1, zero2, zero3, tensor): each sample's sequence "
+        "Context-parallel ranks (ddp, zero1-3, hsdp, tensor): each sample's sequence "
         "is cut over them and attention sees the whole sequence; the data-parallel ranks "
         "are --nproc / cp (tensor: the tensor-parallel ranks).",
     )

@@ -36,6 +36,19 @@ class ParallelMesh:
         self._grad_group = (
             _groups_over(mesh, (0, 4, 1, 2, 3), d.dp * d.cp) if d.cp_enabled else self._dp_group
         )
+        self._hsdp_cp: DeviceMesh | None = None
+        if d.cp_enabled and d.dp_replicate > 1:  # hsdp: replicas of (shard x cp) groups
+            across = _groups_over(mesh, (0, 2, 3, 4, 1), d.dp_replicate)
+            within = _groups_over(mesh, (0, 1, 4, 2, 3), d.dp_shard * d.cp)
+            grid = mesh.mesh.permute(0, 4, 1, 2, 3)[
+                self.local_rank("pp"), self.local_rank("tp")
+            ].reshape(d.dp_replicate, d.dp_shard * d.cp)
+            self._hsdp_cp = DeviceMesh.from_group(
+                [across, within],
+                mesh.device_type,
+                mesh=grid,
+                mesh_dim_names=("dp_replicate", "dp_shard_cp"),
+            )
 
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         return self.device_mesh[dims]
@@ -74,8 +87,11 @@ class ParallelMesh:
     @property
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards (or `replicate` replicates) over: 1-D (shard, the context
-        ranks, or shard x cp flattened), or 2-D (replicate, shard) for HSDP."""
+        ranks, or shard x cp flattened), or 2-D (replicate, shard; with context parallelism
+        replicate, shard x cp) for HSDP."""
         d = self.degrees
+        if self._hsdp_cp is not None:
+            return self._hsdp_cp
         if d.cp_enabled and d.dp == 1:  # a slice of the mesh, as tensor parallelism needs
             return self.device_mesh["cp"]
         if d.cp_enabled:

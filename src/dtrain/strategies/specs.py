@@ -221,7 +221,8 @@ class MeshSpec(StrategySpec):
 @dataclass(frozen=True, kw_only=True)
 class HSDPSpec(MeshSpec):
     """`hsdp`: FSDP2 on a 2-D mesh, each replica's state sharded over `--shard-size` ranks
-    (default: one machine's processes) and the shard groups replicating one another."""
+    (default: one machine's processes; with --cp, its context ranks among them) and the
+    shard groups replicating one another."""
 
     def layout(self, config: Config, world_size: int) -> Degrees:
         size = config.shard_size or config.nproc
@@ -232,7 +233,14 @@ class HSDPSpec(MeshSpec):
                 "divisor such as the processes of one machine (--nproc), or use --strategy "
                 "ddp for plain replicas."
             )
-        return Degrees(dp_replicate=world_size // size, dp_shard=size)
+        cp = config.cp
+        if size % cp:
+            raise ConfigError(
+                f"--strategy hsdp shards each replica over --shard-size {size} ranks, which "
+                f"must hold whole groups of the --cp {cp} context ranks; use a multiple of "
+                f"{cp}."
+            )
+        return Degrees(dp_replicate=world_size // size, dp_shard=size // cp, cp=cp)
 
 
 @dataclass(frozen=True, kw_only=True)
