@@ -29,6 +29,8 @@ LAYOUTS_AT_2: list[dict[str, Any]] = [
     {"strategy": "zero3", "cp": 2},
     {"strategy": "ddp", "cp": 2, "model": "llama"},
     {"strategy": "zero3", "cp": 2, "model": "llama"},
+    # Micro-batches of unequal label counts, each cut: weighted by labels twice over.
+    {"strategy": "ddp", "cp": 2, "model": "llama", "grad_accumulation": 2},
     {"strategy": "zero1", "cp": 2},
     # Recomputed blocks attend again in backward, over the whole sequence.
     {"strategy": "zero3", "cp": 2, "activation_checkpointing": "full"},
