@@ -17,9 +17,12 @@ from torch.utils.data import Dataset
 from training import CLOSE
 
 import dtrain
+from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig, lm_loss
+from dtrain.parallel.degrees import degrees_for
 from dtrain.parallel.hf_context import UNMASKED, attention_switch
+from dtrain.strategies.specs import lookup
 
 STEPS = 4
 LENGTH = 64
@@ -113,8 +116,8 @@ def trained_each(layouts: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]
     return [trained(layout) for layout in layouts]
 
 
-@pytest.mark.timeout(300)
-def test_the_sequence_cut_over_two_ranks_trains_as_single(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_every_layout_with_the_sequence_cut_trains_as_single(tmp_path: Path) -> None:
     expected = {
         model: trained({"strategy": "single", "model": model}) for model in ("gpt", "llama")
     }
@@ -134,6 +137,10 @@ def test_the_sequence_cut_over_two_ranks_trains_as_single(tmp_path: Path) -> Non
     assert_close(beside, expected["gpt"], **CLOSE, msg=lambda m: f"zero3 dp2 x cp2: {m}")
     assert_close(hf_beside, expected["llama"], **CLOSE, msg=lambda m: f"llama dp2 x cp2: {m}")
     assert_close(sliced, expected["gpt"], **CLOSE, msg=lambda m: f"tensor tp2 x cp2: {m}")
+    # dp 2 (sharded) x cp 2 x tp 2: FSDP over the (dp, cp) slice beside the tp slices.
+    layout = {"strategy": "hybrid", "tp": 2, "cp": 2, "dp_mode": "zero3"}
+    [every] = run_ranks(trained_each, 8, [layout], timeout=280)[0]
+    assert_close(every, expected["gpt"], **CLOSE, msg=lambda m: f"hybrid dp2 x cp2 x tp2: {m}")
     # Three ranks: six chunks, (0, 5), (1, 4), (2, 3); sequences of 48 tokens.
     short = trained({"strategy": "single", "length": 48})
     [third] = run_ranks(trained_each, 3, [{"strategy": "ddp", "cp": 3, "length": 48}])[0]
@@ -222,12 +229,20 @@ def test_what_the_cut_cannot_honour_is_refused_by_name() -> None:
 
 
 def test_layouts_without_the_cut_are_refused_before_launch() -> None:
-    with pytest.raises(ConfigError, match=r"--cp 2 cuts .* which --strategy tensor does not do"):
-        dtrain.init(strategy="tensor", cp=2)
+    with pytest.raises(ConfigError, match=r"--cp 2 cuts .* which --strategy towers does not do"):
+        dtrain.init(strategy="towers", cp=2)
     with pytest.raises(ConfigError, match=r"--cp must be at least 1, got 0"):
         dtrain.init(strategy="ddp", cp=0)
     with pytest.raises(ConfigError, match=r"drop --compile with --cp"):
         dtrain.init(strategy="ddp", cp=2, compile=True)
+    with pytest.raises(ConfigError, match=r"--cp 2 cuts .* which --strategy pipeline does not"):
+        dtrain.init(strategy="pipeline", cp=2)
+    with pytest.raises(ConfigError, match=r"a pipeline's stages cannot pass on cut"):
+        degrees_for("hybrid", 8, None, 2, 2, "zero3", 2)
+    with pytest.raises(ConfigError, match=r"use --dp-mode zero2 or zero3"):
+        degrees_for("hybrid", 8, None, None, 2, "ddp", 2)
+    with pytest.raises(ConfigError, match=r"--cp 2 does not divide the 3 processes"):
+        lookup("ddp").layout(Config(strategy="ddp", cp=2), 3)  # type: ignore[attr-defined]
 
 
 def test_a_hugging_face_model_attending_otherwise_than_by_sdpa_is_refused() -> None:

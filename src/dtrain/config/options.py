@@ -226,9 +226,9 @@ class Config:
     dp: int | None = option(None, "Data-parallel replicas (hybrid; default: --nproc / (pp x tp)).")
     cp: int = option(
         1,
-        "Context-parallel ranks (ddp, zero1-3, hsdp, tensor): each sample's sequence "
+        "Context-parallel ranks (ddp, zero1-3, hsdp, tensor, hybrid): each sample's sequence "
         "is cut over them and attention sees the whole sequence; the data-parallel ranks "
-        "are --nproc / cp (tensor: the tensor-parallel ranks).",
+        "are what is left of --nproc (--nproc / (cp x tp)).",
     )
     shard_size: int | None = option(
         None,

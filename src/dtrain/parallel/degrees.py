@@ -105,18 +105,29 @@ def degrees_for(
         degrees = Degrees(tp=tp or max(1, nproc // cp), cp=cp)
     else:
         pp, tp = pp or 1, tp or 1
+        if pp > 1 and cp > 1:
+            raise ConfigError(
+                f"--cp {cp} cuts each sample's sequence, which a pipeline's stages cannot "
+                "pass on cut; drop --pp or --cp."
+            )
         if dp is None:
-            if nproc % (pp * tp):
+            if nproc % (pp * tp * cp):
                 raise ConfigError(
-                    f"--pp {pp} x --tp {tp} = {pp * tp} does not divide --nproc {nproc}, so no "
-                    "whole number of data-parallel replicas fits; make --nproc a multiple of "
-                    "pp x tp."
+                    f"--pp {pp} x --tp {tp} x --cp {cp} = {pp * tp * cp} does not divide "
+                    f"--nproc {nproc}, so no whole number of data-parallel replicas fits; "
+                    "make --nproc a multiple of pp x tp x cp."
                 )
-            dp = nproc // (pp * tp)
+            dp = nproc // (pp * tp * cp)
+        if dp_mode == "ddp" and dp > 1 and tp > 1 and cp > 1:
+            raise ConfigError(
+                f"--cp {cp} beside --tp {tp} and {dp} data-parallel replicas averages the "
+                "gradients over the replicas and the context ranks together, which the "
+                "replicas of --dp-mode ddp cannot; use --dp-mode zero2 or zero3."
+            )
         if dp_mode == "ddp":
-            degrees = Degrees(dp_replicate=dp, pp=pp, tp=tp)
+            degrees = Degrees(dp_replicate=dp, pp=pp, tp=tp, cp=cp)
         else:
-            degrees = Degrees(dp_shard=dp, pp=pp, tp=tp)
+            degrees = Degrees(dp_shard=dp, pp=pp, tp=tp, cp=cp)
     if degrees.world_size != nproc:
         raise ConfigError(
             f"--strategy {strategy} lays out {degrees.describe()} = {degrees.world_size} "

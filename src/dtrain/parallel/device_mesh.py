@@ -37,7 +37,7 @@ class ParallelMesh:
             _groups_over(mesh, (0, 4, 1, 2, 3), d.dp * d.cp) if d.cp_enabled else self._dp_group
         )
         self._hsdp_cp: DeviceMesh | None = None
-        if d.cp_enabled and d.dp_replicate > 1:  # hsdp: replicas of (shard x cp) groups
+        if d.cp_enabled and d.dp_replicate > 1 and not d.tp_enabled:  # hsdp
             across = _groups_over(mesh, (0, 2, 3, 4, 1), d.dp_replicate)
             within = _groups_over(mesh, (0, 1, 4, 2, 3), d.dp_shard * d.cp)
             grid = mesh.mesh.permute(0, 4, 1, 2, 3)[
@@ -94,6 +94,8 @@ class ParallelMesh:
             return self._hsdp_cp
         if d.cp_enabled and d.dp == 1:  # a slice of the mesh, as tensor parallelism needs
             return self.device_mesh["cp"]
+        if d.cp_enabled and d.tp_enabled:  # hybrid: (dp, cp), averaged over both
+            return self.device_mesh["dp_shard" if d.dp_shard > 1 else "dp_replicate", "cp"]
         if d.cp_enabled:
             return DeviceMesh.from_group(
                 self._grad_group, self.device_mesh.device_type, mesh_dim_names=("dp_cp",)

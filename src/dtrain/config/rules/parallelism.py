@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 MODEL_PARALLEL = ("pipeline", "tensor", "hybrid")
 """The strategies that read --pp, --tp, --dp, --dp-mode and the pipeline's shape."""
-CONTEXT_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tensor")
+CONTEXT_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tensor", "hybrid")
 """The strategies that cut the sequence over --cp ranks."""
 
 
@@ -56,7 +56,8 @@ def check(config: Config) -> None:
         raise ConfigError(
             f"--cp {config.cp} cuts each sample's sequence over {config.cp} ranks, which "
             f"--strategy {config.strategy} does not do (context parallelism runs under "
-            "ddp, zero1, zero2, zero3, hsdp and tensor); use one of those, or drop --cp."
+            "ddp, zero1, zero2, zero3, hsdp, tensor and hybrid); use one of those, or drop "
+            "--cp."
         )
     if config.cp > 1 and config.compile:
         raise ConfigError(
