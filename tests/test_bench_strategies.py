@@ -130,6 +130,8 @@ def test_the_header_counts_the_configurations_the_table_shows(
         ),
         (["--strategies", "ddp", "--nproc", "2", "--global-batch-size", "3"], "does not divide"),
         (["--nproc", "2"], "give --strategies, e.g. --strategies single,ddp"),
+        (["--strategies", "zero3 --cpp 2"], "entry 'zero3 --cpp 2' gives --cpp 2, which an"),
+        (["--strategies", "zero3 --cp 2", "--nproc", "3"], "--cp 2 does not divide the 3"),
     ],
 )
 def test_bad_flags_and_impossible_layouts_are_refused_in_words(
@@ -241,6 +243,15 @@ def test_trials_across_hosts_start_every_machine_with_its_processes(tmp_path: Pa
     assert command[at : at + 4] == ["-H", "a:2,b:2", "--ssh-port", "2222"]
     assert "--nproc" not in command
     workload.check("ddp", 2)  # 4 processes: the default global batch of 64 divides
+
+
+def test_an_entry_runs_with_its_own_topology_flags(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["bench", "--model", "gpt", "--strategies", "x"])
+    workload = Workload.from_args(args)
+    command = workload.command("zero3 --cp 2", 2, 0, tmp_path)
+    at = command.index("--strategy")
+    assert command[at : at + 6] == ["--strategy", "zero3", "--cp", "2", "--nproc", "2"]
+    workload.check("zero3 --cp 2", 2)  # the sequence cut in two: a dp of 1 takes the batch
 
 
 def test_an_earlier_benchs_results_are_never_replaced(

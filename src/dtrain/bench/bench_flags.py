@@ -4,9 +4,12 @@ that `--help` and every flag error answer at once."""
 from __future__ import annotations
 
 import argparse
+import shlex
+from dataclasses import replace
 from pathlib import Path
 
 from dtrain.command_names import GPT_SIZES, MODELS, OPTIMIZERS, STRATEGY_ALIASES, check_strategy
+from dtrain.config import Config
 from dtrain.errors import ConfigError
 
 DEFAULT_STEPS = 30
@@ -56,7 +59,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--strategies",
         default=None,
-        help="Comma-separated strategies to compare, e.g. single,ddp,zero2,zero3.",
+        help="Comma-separated strategies to compare, e.g. single,ddp,zero2,zero3; an entry "
+        "may carry TOPOLOGY flags of its own, e.g. 'ddp,zero3 --cp 2'.",
     )
     grid.add_argument(
         "--nproc",
@@ -106,23 +110,55 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_strategies(text: str | None) -> list[str]:
-    """The strategy names of ``--strategies`` (aliases kept as given), in order, once each;
-    a ConfigError for a missing list or an unknown name."""
+    """The entries of ``--strategies`` (aliases kept as given), in order, once each: a
+    strategy name, optionally followed by TOPOLOGY flags of its own (``zero3 --cp 2``); a
+    ConfigError for a missing list, an unknown name or a flag `dtrain run` refuses."""
     if not text:
         raise ConfigError(
             "dtrain bench needs the strategies to compare: give --strategies, e.g. "
             "--strategies single,ddp (or run `dtrain bench comm` for collective bandwidth)."
         )
-    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    for name in names:
+    entries = list(dict.fromkeys(" ".join(p.split()) for p in text.split(",") if p.strip()))
+    canonical = []
+    for entry in entries:
+        name, flags = entry_parts(entry)
         check_strategy(name)
-    canonical = [STRATEGY_ALIASES.get(name, name) for name in names]
+        entry_config(entry, 1)  # its flags parse (the layout is checked per process count)
+        canonical.append((STRATEGY_ALIASES.get(name, name), tuple(flags)))
     if len(set(canonical)) < len(canonical):
         raise ConfigError(
             f"--strategies {text} names the same strategy twice (an alias and its name); "
             "list each once."
         )
-    return names
+    return entries
+
+
+def entry_parts(entry: str) -> tuple[str, list[str]]:
+    """(strategy, its own TOPOLOGY flags) of one ``--strategies`` entry."""
+    name, *flags = shlex.split(entry)
+    return name, flags
+
+
+def entry_config(entry: str, nproc: int, hosts: list[str] | None = None) -> Config:
+    """The Config one ``--strategies`` entry runs with on `nproc` processes per machine
+    (on `hosts`, ``host:slots`` each, if given); a ConfigError naming a flag it refuses."""
+    from dtrain.launcher.topology_flags import add_topology_args, config_from
+
+    name, flags = entry_parts(entry)
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_topology_args(parser)
+    try:
+        args, unknown = parser.parse_known_args(["--strategy", name, "--nproc", str(nproc), *flags])
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"--strategies entry {entry!r}: {e}.") from None
+    if unknown or args.strategy != name or args.nproc != nproc:
+        raise ConfigError(
+            f"--strategies entry {entry!r} gives {' '.join(unknown) or 'its strategy or --nproc'}, "
+            "which an entry cannot: give the strategy first, then TOPOLOGY flags of "
+            "`dtrain run` (e.g. 'zero3 --cp 2'); --nproc is the bench's own."
+        )
+    config = config_from(args)
+    return replace(config, hosts=hosts) if hosts else config
 
 
 def parse_counts(text: str) -> list[int]:

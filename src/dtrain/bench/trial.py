@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.bench import proctree
-from dtrain.bench.bench_flags import DEFAULT_STEPS, parse_hosts
+from dtrain.bench.bench_flags import DEFAULT_STEPS, entry_config, entry_parts, parse_hosts
 
 GRACE_SECONDS = 20.0
 """How long a trial stopped for its time limit has to end its workers before they are
@@ -86,11 +86,10 @@ class Workload:
     def check(self, strategy: str, nproc: int) -> None:
         """Raise ConfigError if `strategy` cannot run on `nproc` processes per machine (with
         this model's global batch), as the launcher would before starting anything."""
-        from dtrain.config import Config
         from dtrain.launcher.hosts import as_nodes, hosts_of
         from dtrain.strategies.specs import lookup
 
-        config = Config(strategy=strategy, nproc=nproc, hosts=self._host_slots(nproc))
+        config = entry_config(strategy, nproc, self._host_slots(nproc))
         machines = hosts_of(config)
         if machines is not None:
             config = as_nodes(config, machines)
@@ -111,8 +110,9 @@ class Workload:
         and its outputs (checkpoints, logs) below `scratch`."""
         slots = self._host_slots(nproc)  # -H gives each machine its processes
         where = ["-H", ",".join(slots), *self.ssh_flags] if slots else ["--nproc", str(nproc)]
+        name, flags = entry_parts(strategy)
         layout = [
-            "--strategy", strategy, *where, "--seed", str(seed),
+            "--strategy", name, *flags, *where, "--seed", str(seed),
             "--memory-report", "--metrics-json", str(scratch / "metrics.json"),
             "--out", str(scratch / "out"),
         ]  # fmt: skip
