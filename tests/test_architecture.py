@@ -337,6 +337,7 @@ PRODUCT_DOORS = {
         "dtrain.command_names",
         "dtrain.models.recipes",
         "dtrain.launcher.hosts",
+        "dtrain.launcher.topology_flags",
         "dtrain.observe.metrics",
         "dtrain.observe.progress",
         SPECS,
