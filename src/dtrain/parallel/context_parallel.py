@@ -267,6 +267,12 @@ class SequenceCut:
         and values up to its end (all of them without `is_causal`)."""
         with _timed(self.timing):
             keys, values = self._whole(key), self._whole(value)
+        if enable_gqa and keys.shape[-3] != query.shape[-3]:
+            # Grouped-query attention: each key head serves a run of query heads. Repeated
+            # here, as the lower-right causal bias's fused GPU kernels take no groups.
+            repeat = query.shape[-3] // keys.shape[-3]
+            keys, values = (t.repeat_interleave(repeat, dim=-3) for t in (keys, values))
+            enable_gqa = False
         c = query.shape[-2] // 2
         out = []
         # torch's own attention while the chunks attend: the lower-right causal bias
