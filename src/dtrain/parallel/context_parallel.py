@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -42,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dtrain.errors import ConfigError, SetupError
 from dtrain.parallel.hf_context import attention_switch
-from dtrain.step.batches import IGNORE_INDEX, LabelCounter, is_pair
+from dtrain.step.batches import IGNORE_INDEX, LabelCounter, LossFn, is_pair
 
 SDPA = F.scaled_dot_product_attention
 """torch's own attention, which the cut attention calls chunk by chunk."""
@@ -86,6 +87,12 @@ class SequenceCut:
             contextlib.nullcontext
         )
         self.timing: CollectiveTiming | None = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._checked = False
+        """The context ranks were found to hold the same batch (checked at the first cut)."""
+        self._owner: int | None = None
+        """The thread whose step is attending (another thread's attention is left alone)."""
+        self._found: Callable[..., torch.Tensor] = SDPA
         self._attended = 0
         self._positions: torch.Tensor | None = None
         """The positions of the tokens of the step's cut, while it runs."""
@@ -102,7 +109,13 @@ class SequenceCut:
         self.shifts_labels = counter is not None and counter.shifted
         self._switch = attention_switch(model)
         check_positions(model, self.cp)
-        model.register_forward_pre_hook(self._outside_a_step)
+        self._hook = model.register_forward_pre_hook(self._outside_a_step)
+
+    def release(self) -> None:
+        """Take the cut's hook off the model (the strategy is closing)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def _outside_a_step(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled() and self._positions is None:
@@ -113,13 +126,27 @@ class SequenceCut:
                 "evaluate with engine.evaluate or under torch.no_grad()."
             )
 
-    def cut(self, batch: Any) -> tuple[Any, torch.Tensor]:
+    def cut(self, batch: Any, loss_fn: LossFn | None) -> tuple[Any, torch.Tensor]:
         """(this rank's part of `batch`, the positions of its tokens (N, T / cp)): an
         ``(inputs, targets)`` pair whose inputs are (N, T, ...) token sequences and whose
         targets are (N, T, ...) per token, or a dict of ``input_ids`` (N, T) and what goes
-        with them (`_cut_dict`)."""
+        with them (`_cut_dict`). The first cut checks that every context rank holds the
+        same batch (a collective over them)."""
+        tokens = self._tokens(batch, loss_fn)
+        if not self._checked:
+            self._same_everywhere(tokens)
+            self._checked = True
+        index, positions = self._held(tokens)
         if isinstance(batch, Mapping):
-            return self._cut_dict(batch)
+            return self._cut_dict(batch, index), positions
+        inputs, targets = batch
+        return (inputs.index_select(1, index), targets.index_select(1, index)), positions
+
+    def _tokens(self, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+        """The (N, T) tokens `batch` is cut along, or a ConfigError (the same on every rank,
+        before any collective) for a batch the cut cannot honour."""
+        if isinstance(batch, Mapping):
+            return self._dict_tokens(batch, loss_fn)
         if not is_pair(batch):
             raise ConfigError(
                 f"--cp cuts (inputs, targets) batches of token sequences or dicts of "
@@ -133,14 +160,9 @@ class SequenceCut:
                 f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)}. Give "
                 "one target per token, or drop --cp."
             )
-        index, positions = self._held(inputs)
-        return (inputs.index_select(1, index), targets.index_select(1, index)), positions
+        return inputs
 
-    def _cut_dict(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
-        """A dict batch's ``input_ids`` (N, T) cut, with every tensor of the same first
-        two dimensions (``labels``, ``token_type_ids``); a causal LM's labels shifted
-        first (``shift_labels``: the label of the token after each one), which its own
-        loss takes as they are."""
+    def _dict_tokens(self, batch: Mapping[str, Any], loss_fn: LossFn | None) -> torch.Tensor:
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise ConfigError(
@@ -155,18 +177,71 @@ class SequenceCut:
                 "padding, which the cut cannot honour). Give batches of unpadded sequences "
                 f"without {' or '.join(given)}, or drop --cp."
             )
-        index, positions = self._held(ids)
+        labels = batch.get("labels")
+        if isinstance(labels, torch.Tensor) and labels.shape[:2] != ids.shape:
+            raise ConfigError(
+                f"--cp cuts each sequence, but the batch's labels {tuple(labels.shape)} are "
+                f"not one per token of input_ids {tuple(ids.shape)} (a label per sequence, "
+                "as a classifier's): each rank would score its slice alone. Drop --cp for "
+                "such a model."
+            )
+        if labels is not None and loss_fn is not None:
+            raise ConfigError(
+                "--cp cuts each sequence before your loss_fn sees the labels, so a loss "
+                "that shifts them would pair tokens across the cut. Train with the model's "
+                "own loss (loss_fn=None), or pass (inputs, targets) pairs whose targets are "
+                "already shifted."
+            )
+        return ids
+
+    def _same_everywhere(self, tokens: torch.Tensor) -> None:
+        """Refuse, on every rank, context ranks that hold different batches (their sizes,
+        or the sum of their tokens, differ): they would attend to each other's samples."""
+        mine = torch.stack(
+            [tokens.new_tensor(tokens.shape[0]).double(), tokens.new_tensor(tokens.shape[1])
+             .double(), tokens.double().sum()]
+        )  # fmt: skip
+        everyone = [torch.empty_like(mine) for _ in range(self.cp)]
+        dist.all_gather(everyone, mine, group=self.group)
+        seen = [tuple(row.tolist()) for row in everyone]
+        if len(set(seen)) > 1:
+            sizes = ", ".join(f"{int(n)} x {int(t)}" for n, t, _ in seen)
+            raise ConfigError(
+                f"The {self.cp} context ranks of a sample hold different batches ({sizes} "
+                "tokens, or other tokens): under --cp they must read the same samples and "
+                "cut them. Use engine.dataloader, or shard your own loader by the "
+                "data-parallel rank, not by the global rank."
+            )
+
+    def share(
+        self, part: Any, loss_fn: LossFn | None, counter: LabelCounter | None
+    ) -> torch.Tensor | None:
+        """This rank's weight among the context ranks where its cut holds its own number of
+        scored targets (a collective over them): a Hugging Face model's own loss over its
+        labels, or integer targets some of which are ignored (-100); None where every
+        token counts alike."""
+        if counter is not None and counter.applies(part, loss_fn):
+            return self.label_share(counter.count(part))
+        if is_pair(part) and not part[1].is_floating_point():
+            return self.label_share(part[1].ne(IGNORE_INDEX).sum())
+        return None
+
+    def _cut_dict(self, batch: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
+        """A dict batch's ``input_ids`` (N, T) cut, with every tensor of the same first
+        two dimensions (``labels``, ``token_type_ids``); a causal LM's labels shifted
+        first (``shift_labels``: the label of the token after each one), which its own
+        loss takes as they are."""
+        ids = batch["input_ids"]
         whole = dict(batch)
         labels = whole.get("labels")
         if self.shifts_labels and isinstance(labels, torch.Tensor) and "shift_labels" not in whole:
             whole["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        part = {
+        return {
             key: value.index_select(1, index)
             if isinstance(value, torch.Tensor) and value.shape[:2] == ids.shape
             else value
             for key, value in whole.items()
         }
-        return part, positions
 
     def _held(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the indices of the tokens this rank holds along dimension 1, their positions
@@ -198,14 +273,15 @@ class SequenceCut:
         attend too) the model's attention sees the whole sequence (see the module's
         docstring) and `call` tells it the `positions` of its cut's tokens; a model that
         attended nothing through ``F.scaled_dot_product_attention`` is refused by name."""
+        self._found = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self._attend  # type: ignore[assignment]
-        self._positions = positions
+        self._positions, self._owner = positions, threading.get_ident()
         try:
             with self._switch():
                 yield
         finally:
-            F.scaled_dot_product_attention = SDPA
-            self._positions = None
+            F.scaled_dot_product_attention = self._found
+            self._positions = self._owner = None
         if self._attended == 0:
             raise ConfigError(
                 f"--cp {self.cp} cuts each sample's sequence, but {self.model_class}'s forward "
@@ -231,7 +307,18 @@ class SequenceCut:
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         """``F.scaled_dot_product_attention`` of this rank's queries (..., L, E) over the
-        whole sequence's keys and values, L the rank's tokens (two chunks)."""
+        whole sequence's keys and values, L the rank's tokens (two chunks); another
+        thread's attention (an evaluation running beside the step) is torch's own."""
+        if threading.get_ident() != self._owner:
+            return self._found(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa
+            )
+        if key.shape[-2] != query.shape[-2]:
+            raise ConfigError(
+                f"{self.model_class} attends queries of {query.shape[-2]} tokens to keys of "
+                f"{key.shape[-2]} (cross-attention, or attention over another axis), which "
+                "--cp cannot cut as one sequence; drop --cp."
+            )
         if attn_mask is not None:
             raise ConfigError(
                 f"{self.model_class}'s attention passes an attention mask, which --cp "

@@ -10,6 +10,8 @@ activations).
 
 from __future__ import annotations
 
+import functools
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -36,19 +38,7 @@ class ParallelMesh:
         self._grad_group = (
             _groups_over(mesh, (0, 4, 1, 2, 3), d.dp * d.cp) if d.cp_enabled else self._dp_group
         )
-        self._hsdp_cp: DeviceMesh | None = None
-        if d.cp_enabled and d.dp_replicate > 1 and not d.tp_enabled:  # hsdp
-            across = _groups_over(mesh, (0, 2, 3, 4, 1), d.dp_replicate)
-            within = _groups_over(mesh, (0, 1, 4, 2, 3), d.dp_shard * d.cp)
-            grid = mesh.mesh.permute(0, 4, 1, 2, 3)[
-                self.local_rank("pp"), self.local_rank("tp")
-            ].reshape(d.dp_replicate, d.dp_shard * d.cp)
-            self._hsdp_cp = DeviceMesh.from_group(
-                [across, within],
-                mesh.device_type,
-                mesh=grid,
-                mesh_dim_names=("dp_replicate", "dp_shard_cp"),
-            )
+
 
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         return self.device_mesh[dims]
@@ -84,14 +74,19 @@ class ParallelMesh:
         parallelism times the context-parallel ranks (each computed its slice's share)."""
         return self._grad_group
 
+    @functools.cached_property
+    def _hsdp_over_context(self) -> DeviceMesh:
+        """hsdp's mesh under --cp, made (a collective) the first time FSDP asks for it."""
+        return _hsdp_grid(self)
+
     @property
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards (or `replicate` replicates) over: 1-D (shard, the context
         ranks, or shard x cp flattened), or 2-D (replicate, shard; with context parallelism
         replicate, shard x cp) for HSDP."""
         d = self.degrees
-        if self._hsdp_cp is not None:
-            return self._hsdp_cp
+        if d.cp_enabled and d.dp_replicate > 1 and not d.tp_enabled:
+            return self._hsdp_over_context
         if d.cp_enabled and d.dp == 1:  # a slice of the mesh, as tensor parallelism needs
             return self.device_mesh["cp"]
         if d.cp_enabled and d.tp_enabled:  # hybrid: (dp, cp), averaged over both
@@ -103,6 +98,21 @@ class ParallelMesh:
         if d.dp_replicate > 1 and d.dp_shard > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard" if d.dp_shard > 1 else "dp_replicate"]
+
+
+def _hsdp_grid(mesh: ParallelMesh) -> DeviceMesh:
+    """hsdp with context parallelism: replicas (dim 0) of groups that shard over their
+    data- and context-parallel ranks together (dim 1), from new groups (collective)."""
+    d, root = mesh.degrees, mesh.device_mesh
+    across = _groups_over(root, (0, 2, 3, 4, 1), d.dp_replicate)
+    within = _groups_over(root, (0, 1, 4, 2, 3), d.dp_shard * d.cp)
+    grid = root.mesh.permute(0, 4, 1, 2, 3)[mesh.local_rank("pp"), mesh.local_rank("tp")]
+    return DeviceMesh.from_group(
+        [across, within],
+        root.device_type,
+        mesh=grid.reshape(d.dp_replicate, d.dp_shard * d.cp),
+        mesh_dim_names=("dp_replicate", "dp_shard_cp"),
+    )
 
 
 def _groups_over(mesh: DeviceMesh, order: tuple[int, ...], size: int) -> dist.ProcessGroup:

@@ -42,6 +42,17 @@ def attention_switch(model: nn.Module) -> Callable[[], contextlib.AbstractContex
             f"'{config._attn_implementation}'; build it with attn_implementation='sdpa', or "
             "drop --cp."
         )
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or []
+    if (window is not None and getattr(config, "use_sliding_window", True)) or any(
+        "sliding" in str(kind) for kind in kinds
+    ):
+        raise ConfigError(
+            f"{type(model).__name__} attends within a sliding window of {window} tokens, "
+            "which --cp's causal attention over the whole sequence cannot honour; drop "
+            "--cp, or set the config's sliding_window to None if your sequences are no "
+            "longer than the window."
+        )
     AttentionInterface.register(UNMASKED, sdpa_attention_forward)
 
     @contextlib.contextmanager

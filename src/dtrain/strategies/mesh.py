@@ -222,9 +222,10 @@ class MeshStrategy(Strategy):
         pipeline = self.pipeline
         cut = self.sequence
         if cut is not None:  # forward and backward (a recompute) attend over all
-            part, positions = cut.cut(batch)
-            if self.labels is not None and self.labels.applies(part, loss_fn):
-                scale = cut.label_share(self.labels.count(part)) * scale
+            part, positions = cut.cut(batch, loss_fn)
+            share = cut.share(part, loss_fn, self.labels)
+            if share is not None:
+                scale = share * scale
             with cut.attending(positions):
                 return super().forward_backward(part, loss_fn, scale)
         if pipeline is None:
@@ -368,6 +369,8 @@ class MeshStrategy(Strategy):
         )
 
     def close(self) -> None:
+        if self.sequence is not None:
+            self.sequence.release()
         self._context.close()
         # A DDP or FSDP object alive when the process group is destroyed can abort the
         # process on gloo.
