@@ -137,6 +137,17 @@ def degrees_for(
     return degrees
 
 
+def per_context(ranks: int, cp: int, what: str) -> tuple[int, int]:
+    """(`ranks` // `cp`, `cp`): the groups of `cp` context ranks in `ranks`; a ConfigError
+    when `cp` does not divide them (`what`: those ranks, and the start of the fix)."""
+    if ranks % cp:
+        raise ConfigError(
+            f"--cp {cp} does not divide the {ranks} {what} a multiple of {cp}, or change "
+            "--cp."
+        )
+    return ranks // cp, cp
+
+
 def _only(strategy: str, allowed: str, others: dict[str, int | None]) -> None:
     given = [flag for flag, value in others.items() if value not in (None, 1)]
     if given:

@@ -26,7 +26,7 @@ from dtrain.command_names import unknown_strategy
 from dtrain.config import Config
 from dtrain.config.rules.parallelism import pipeline_flags
 from dtrain.errors import ConfigError
-from dtrain.parallel.degrees import Degrees, check_schedule, degrees_for, microbatches
+from dtrain.parallel.degrees import Degrees, check_schedule, degrees_for, microbatches, per_context
 from dtrain.strategies.ps.roles import Roles
 
 if TYPE_CHECKING:
@@ -189,15 +189,11 @@ class MeshSpec(StrategySpec):
     def layout(self, config: Config, world_size: int) -> Degrees:
         """The degrees for `config` on `world_size` processes, checked (a ConfigError
         naming the fix otherwise)."""
-        cp = config.cp
-        if world_size % cp:
-            raise ConfigError(
-                f"--cp {cp} does not divide the {world_size} processes, so no whole number "
-                f"of data-parallel ranks fits; make --nproc a multiple of {cp}, or change --cp."
-            )
+        fits = "processes, so no whole number of data-parallel ranks fits; make --nproc"
+        dp, cp = per_context(world_size, config.cp, fits)
         if self.reshard_after_forward is None:
-            return Degrees(dp_replicate=world_size // cp, cp=cp)
-        return Degrees(dp_shard=world_size // cp, cp=cp)
+            return Degrees(dp_replicate=dp, cp=cp)
+        return Degrees(dp_shard=dp, cp=cp)
 
     def dp_mode(self, config: Config) -> str:
         """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
@@ -233,14 +229,8 @@ class HSDPSpec(MeshSpec):
                 "divisor such as the processes of one machine (--nproc), or use --strategy "
                 "ddp for plain replicas."
             )
-        cp = config.cp
-        if size % cp:
-            raise ConfigError(
-                f"--strategy hsdp shards each replica over --shard-size {size} ranks, which "
-                f"must hold whole groups of the --cp {cp} context ranks; use a multiple of "
-                f"{cp}."
-            )
-        return Degrees(dp_replicate=world_size // size, dp_shard=size // cp, cp=cp)
+        shard, cp = per_context(size, config.cp, "hsdp's --shard-size ranks; make it")
+        return Degrees(dp_replicate=world_size // size, dp_shard=shard, cp=cp)
 
 
 @dataclass(frozen=True, kw_only=True)
