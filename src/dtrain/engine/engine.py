@@ -201,8 +201,9 @@ class Engine(JobView, DataSide, CheckpointSide):
         micro-batches whose gradients are accumulated locally and synchronised once. With
         ``clip_grad_norm`` the global gradient norm is clipped before the update. Returns
         this process's loss, detached, on the device (``.item()`` waits for it): the mean
-        over the data-parallel processes of what they return is the global batch's mean
-        loss (where labels weigh, each returns its labels' share of that mean).
+        over the data-parallel processes (with --cp, and their context ranks) of what they
+        return is the global batch's mean loss (where labels weigh, each returns its
+        labels' share of that mean).
         """
         self._require_setup("engine.train_step")
         if self.optimizer is None:
