@@ -230,6 +230,12 @@ class Config:
         "is cut over them and attention sees the whole sequence; the data-parallel ranks "
         "are what is left of --nproc (--nproc / (cp x tp)).",
     )
+    ep: int = option(
+        1,
+        "Expert-parallel ranks (ddp, zero2, zero3, hsdp): each mixture-of-experts layer's "
+        "experts are split over groups of this many data-parallel ranks, tokens sent to "
+        "them by all-to-all; must divide the data-parallel ranks and each layer's experts.",
+    )
     shard_size: int | None = option(
         None,
         "hsdp: ranks that shard each replica's state (default: the processes of one "

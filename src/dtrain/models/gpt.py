@@ -2,6 +2,7 @@
 
 Pre-norm blocks of causal multi-head self-attention and a GELU MLP, learned positional
 embeddings, an untied output head; no dropout, so runs are comparable across strategies.
+With `experts`, each block's MLP is a mixture of experts (`dtrain.models.moe`).
 Its repeated `blocks` are what sharding, pipeline and tensor parallelism split. Attention
 reshapes by head size, not head count, so it also runs on a column-sharded slice of the
 heads (tensor parallelism).
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.models.moe import MoE
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -27,6 +30,10 @@ class GPTConfig:
     dim: int = 64
     layers: int = 2
     heads: int = 4
+    experts: int = 0
+    """Experts per MLP (a mixture of experts, `dtrain.models.moe`); 0: a dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to, with `experts`."""
 
     @property
     def head_dim(self) -> int:
@@ -91,7 +98,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.dim)
         self.attn = Attention(config)
         self.ln2 = nn.LayerNorm(config.dim)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = (
+            MoE(config.dim, config.experts, config.top_k) if config.experts else MLP(config)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, T, dim) -> (N, T, dim)."""
@@ -164,6 +173,11 @@ class GPT(nn.Module):
         needs one all-reduce forward and one backward per sub-layer.
         """
         c = self.config
+        if c.experts:
+            raise ValueError(
+                "tensor parallelism splits the dense MLP's matrices; with --experts, place "
+                "the experts over ranks with --ep instead"
+            )
         if c.heads % degree or (4 * c.dim) % degree:
             raise ValueError(
                 f"tensor parallelism over {degree} ranks splits the {c.heads} attention heads "
@@ -172,6 +186,13 @@ class GPT(nn.Module):
         plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise"}
         plan |= {"attn.out": "rowwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
         return {f"blocks.*.{path}": style for path, style in plan.items()}
+
+    def expert_parallel_plan(self) -> list[str]:
+        """The experts modules expert parallelism (--ep) splits: every block's, with
+        --experts; none for a dense GPT."""
+        if not self.config.experts:
+            return []
+        return [f"blocks.{i}.mlp.experts" for i in range(len(self.blocks))]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,7 @@ def apply_ddp(
     find_unused_parameters: bool = False,
     init_sync: bool = True,
     grad_compression: str = "none",
+    leave: tuple[str, ...] = (),
 ) -> DistributedDataParallel:
     """`model` replicated over `group` with DistributedDataParallel; with `hosts`,
     gradients are averaged machine by machine (`dtrain.parallel.hierarchical`, which
@@ -90,7 +91,11 @@ def apply_ddp(
     (`dtrain.parallel.compression`). `find_unused_parameters`: DDP's option of that name.
     `init_sync`: broadcast rank 0's parameters and buffers first (False where
     `dtrain.parallel.broadcast` already did). Buffers of a dtype the backend has no type
-    for (an int16 counter) travel as raw bytes, at the same moments as DDP's own."""
+    for (an int16 counter) travel as raw bytes, at the same moments as DDP's own. `leave`:
+    names of parameters DDP leaves alone (experts, reduced over their own ranks by
+    `dtrain.parallel.expert_parallel`)."""
+    if leave:
+        _leave_to_caller(model, list(leave))
     uncarried = _buffers_as_bytes(model, group)
     wrapped = DistributedDataParallel(
         model,
@@ -132,10 +137,14 @@ def _buffers_as_bytes(model: nn.Module, group: dist.ProcessGroup) -> list[torch.
     buffers = {n: b for n, b in model.named_buffers() if b.dtype not in CARRIED}
     if not buffers or dist.get_world_size(group) == 1:
         return []
-    # Added to any the script told DDP to leave alone itself.
-    own = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, own + list(buffers))
+    _leave_to_caller(model, list(buffers))
     return list(buffers.values())
+
+
+def _leave_to_caller(model: nn.Module, names: list[str]) -> None:
+    """Tell DDP to leave `names` alone, besides any the script told it to leave itself."""
+    own = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, own + names)
 
 
 def apply_replicate(
@@ -159,6 +168,7 @@ def apply_fsdp(
     mesh: DeviceMesh,
     options: ShardOptions,
     device: torch.device,
+    leave: frozenset[nn.Parameter] = frozenset(),
 ) -> None:
     """Shard each unit (a whole model or a pipeline stage) over `mesh`: its blocks first,
     then the unit itself (which takes the remaining parameters), then link the blocks for
@@ -169,6 +179,7 @@ def apply_fsdp(
     released block by block (the user's optimizer still holds them until setup repoints
     it), so the device never holds more than the shards and one whole block. A unit built
     on the meta device then gets storage for its shards only (`materialize`).
+    `leave`: parameters FSDP leaves alone (experts, held by their own ranks).
     """
     for unit in units:
         _make_contiguous(unit)
@@ -176,8 +187,8 @@ def apply_fsdp(
     for unit, inner in zip(units, blocks, strict=True):
         trainable = [b for b in inner if any(p.requires_grad for p in b.parameters())]
         for block in trainable:
-            _shard(block, options.fully_shard_kwargs(mesh, device, root=False))
-        _shard(unit, options.fully_shard_kwargs(mesh, device, root=True))
+            _shard(block, options.fully_shard_kwargs(mesh, device, root=False), leave)
+        _shard(unit, options.fully_shard_kwargs(mesh, device, root=True), leave)
         materialize(unit, home)
         if options.prefetch:
             for current, following in zip(trainable, trainable[1:], strict=False):
@@ -186,11 +197,13 @@ def apply_fsdp(
 
 
 @torch.no_grad()
-def _shard(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    """`fully_shard(module)`, then release the whole tensors of the parameters it replaced
-    with shards (a tensor-parallel slice or a meta tensor has nothing to release)."""
+def _shard(module: nn.Module, kwargs: dict[str, Any], leave: frozenset[nn.Parameter]) -> None:
+    """`fully_shard(module)` but for the parameters in `leave`, then release the whole
+    tensors of the parameters it replaced with shards (a tensor-parallel slice or a meta
+    tensor has nothing to release)."""
     before = dict(module.named_parameters())
-    fully_shard(module, **kwargs)
+    ignored = {p for p in before.values() if p in leave}
+    fully_shard(module, **kwargs, ignored_params=ignored or None)
     now = dict(module.named_parameters())
     for name, param in before.items():
         if now.get(name) is not param and not isinstance(param, DTensor) and not param.is_meta:

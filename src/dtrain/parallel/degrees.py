@@ -4,7 +4,8 @@ arithmetic.
 One :class:`Degrees` says how many ways the job is split along each dimension: data
 parallel as replicas (ddp, ``dp_replicate``) times shards (zero2/zero3, ``dp_shard``),
 context parallel (``cp``: each sample's sequence cut over ranks), pipeline stages (``pp``)
-and tensor shards (``tp``). Every mesh strategy is a preset over
+and tensor shards (``tp``); expert parallel groups (``ep``) are carved out of the
+data-parallel ranks. Every mesh strategy is a preset over
 it; it is validated once (the product is the world size), before any process starts (the
 launcher checks a layout with it, so this module imports no torch); `parallel/device_mesh.py`
 builds the named DeviceMesh over it.
@@ -32,13 +33,21 @@ class Degrees:
     """Tensor-parallel ranks splitting each layer's matrices."""
     cp: int = 1
     """Context-parallel ranks, each holding a slice of every sample's sequence."""
+    ep: int = 1
+    """Expert-parallel ranks: groups of this many data-parallel ranks split each
+    mixture-of-experts layer's experts (not a factor of the world size: they are dp ranks)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "pp", "tp", "cp"):
+        for name in ("dp_replicate", "dp_shard", "pp", "tp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(
                     f"The {name} degree must be at least 1, got {getattr(self, name)}."
                 )
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"--ep {self.ep} groups the {self.dp} data-parallel ranks to split the "
+                f"experts, but does not divide them; use an --ep that divides {self.dp}."
+            )
 
     @property
     def dp(self) -> int:
@@ -70,6 +79,11 @@ class Degrees:
         """True with more than one context-parallel rank."""
         return self.cp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        """True with the experts split over more than one rank."""
+        return self.ep > 1
+
     def describe(self) -> str:
         """``dp2 x pp2 x tp1`` (with ``(replicate 2 x shard 2)`` when both are used, and
         ``x cp2`` after dp with context parallelism)."""
@@ -77,7 +91,8 @@ class Degrees:
         if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f" (replicate {self.dp_replicate} x shard {self.dp_shard})"
         cp = f" x cp{self.cp}" if self.cp_enabled else ""
-        return f"{dp}{cp} x pp{self.pp} x tp{self.tp}"
+        ep = f" (experts over ep{self.ep})" if self.ep_enabled else ""
+        return f"{dp}{cp} x pp{self.pp} x tp{self.tp}{ep}"
 
 
 def degrees_for(
@@ -142,8 +157,7 @@ def per_context(ranks: int, cp: int, what: str) -> tuple[int, int]:
     when `cp` does not divide them (`what`: those ranks, and the start of the fix)."""
     if ranks % cp:
         raise ConfigError(
-            f"--cp {cp} does not divide the {ranks} {what} a multiple of {cp}, or change "
-            "--cp."
+            f"--cp {cp} does not divide the {ranks} {what} a multiple of {cp}, or change --cp."
         )
     return ranks // cp, cp
 

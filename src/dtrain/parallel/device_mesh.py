@@ -39,7 +39,6 @@ class ParallelMesh:
             _groups_over(mesh, (0, 4, 1, 2, 3), d.dp * d.cp) if d.cp_enabled else self._dp_group
         )
 
-
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         return self.device_mesh[dims]
 
@@ -134,3 +133,14 @@ def parallel_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
     d = degrees
     shape = (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp)
     return ParallelMesh(d, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS))
+
+
+def expert_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
+    """The (replicas, ep) mesh over the data-parallel ranks that expert parallelism splits
+    the experts over: groups of `degrees.ep` neighbouring ranks, each holding every
+    expert once (a collective; the layouts with experts are data-parallel only)."""
+    d = degrees
+    assert d.world_size == d.dp, "expert parallelism lays out data-parallel ranks only"
+    return init_device_mesh(
+        device_type, (d.dp // d.ep, d.ep), mesh_dim_names=("ep_replicate", "ep")
+    )

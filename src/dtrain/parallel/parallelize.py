@@ -33,6 +33,7 @@ from dtrain.parallel.compression import cast_dtype
 from dtrain.parallel.data_parallel import ShardOptions, apply_ddp, apply_fsdp, apply_replicate
 from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.device_mesh import ParallelMesh
+from dtrain.parallel.expert_parallel import ExpertParallel
 from dtrain.parallel.hf_pipeline import hf_feed
 from dtrain.parallel.hierarchical import host_groups
 from dtrain.parallel.materialize import materialize
@@ -99,13 +100,17 @@ def parallelize(
     device: torch.device,
     shard: ShardOptions | None,
     preparation: Preparation,
+    experts: ExpertParallel | None = None,
 ) -> Parallelized:
     """Apply pp, tp and dp to `model` in the fixed order above.
 
     `shard` None replicates the data-parallel ranks (nothing to do with one); otherwise
     they shard with these options (FSDP2 applies them even on one rank). `preparation`
-    checkpoints and compiles the blocks (`dtrain.parallel.preparation`).
+    checkpoints and compiles the blocks (`dtrain.parallel.preparation`). The
+    data-parallel wrappers leave the parameters of `experts` alone (split over ep ranks
+    already, their gradients reduced by it).
     """
+    leave = frozenset(experts.params) if experts is not None else frozenset()
     d = mesh.degrees
     plan = plan_of(model, d.tp) if d.tp_enabled else None
     # 1. pp: split where the model was built.
@@ -130,7 +135,7 @@ def parallelize(
     # 4. dp.
     wrapped: nn.Module = model
     if shard is not None:
-        apply_fsdp(units, blocks, mesh.dp_mesh, shard, device)
+        apply_fsdp(units, blocks, mesh.dp_mesh, shard, device, leave)
     elif (d.dp_enabled or d.cp_enabled) and (stages or plan is not None):
         apply_replicate(units, blocks, mesh.dp_mesh)
     elif d.dp_enabled or d.cp_enabled:
@@ -148,6 +153,7 @@ def parallelize(
             config.find_unused_parameters,
             init_sync=False,
             grad_compression=compression,
+            leave=tuple(experts.names) if experts is not None else (),
         )
     if not stages:
         return Parallelized(wrapped, local)

@@ -100,3 +100,22 @@ def _has_tensors_to_scatter(optimizer_state: dict[str, Any]) -> bool:
         for key, value in flatten(optimizer_state).items()
         if key.startswith(STATE)
     )
+
+
+def merge_parts(
+    parts: list[tuple[dict[str, torch.Tensor], dict[str, Any] | None]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The whole model and optimizer state from the stages' parts."""
+    tensors = {k: v for part, _ in parts for k, v in part.items()}
+    states = [state for _, state in parts if state is not None]
+    if not states:
+        return tensors, None
+    groups = [dict(group, params=[]) for group in states[0]["param_groups"]]
+    for state in states:
+        for merged, group in zip(groups, state["param_groups"], strict=True):
+            # A tied weight's state comes from each stage holding it: keep one.
+            merged["params"] += [n for n in group["params"] if n not in merged["params"]]
+    return tensors, {
+        "state": {k: v for s in states for k, v in s["state"].items()},
+        "param_groups": groups,
+    }

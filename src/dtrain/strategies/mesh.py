@@ -31,8 +31,10 @@ from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.context_parallel import SequenceCut
 from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import microbatches
-from dtrain.parallel.device_mesh import parallel_mesh
+from dtrain.parallel.device_mesh import expert_mesh, parallel_mesh
+from dtrain.parallel.expert_parallel import ExpertParallel, experts_of
 from dtrain.parallel.hooks import gradient_hooks
+from dtrain.parallel.moe_balance import GlobalBalance
 from dtrain.parallel.parallelize import Parallelized, parallelize, shard_options
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.preparation import unwrap
@@ -43,7 +45,7 @@ from dtrain.process.logs import LOGGER
 from dtrain.process.topology import Topology
 from dtrain.step.batches import LossFn, Weight, forward_loss, pipeline_parts
 from dtrain.strategies.base import Strategy
-from dtrain.strategies.dcp_state import load_full_state, whole_state
+from dtrain.strategies.dcp_state import load_full_state, merge_parts, whole_state
 from dtrain.strategies.placement import Placement
 from dtrain.strategies.rebuild import group_names, repoint
 from dtrain.strategies.specs import MeshSpec, StrategySpec
@@ -61,6 +63,13 @@ class MeshStrategy(Strategy):
         self.dp_mode = spec.dp_mode(config)
         """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
         self.mesh = parallel_mesh(self.degrees, topology.device.type)
+        self._expert_mesh = (
+            expert_mesh(self.degrees, topology.device.type) if self.degrees.ep_enabled else None
+        )
+        self.experts: ExpertParallel | None = None
+        """The experts split over --ep ranks (set up by `wrap`)."""
+        self._balance: GlobalBalance | None = None
+        """A mixture of experts' balancing loss over every data-parallel rank's batch."""
         self.pipelined = self.degrees.pp_enabled
         """A pipeline's schedule runs forward and backward (a value: read every step)."""
         self.sequence = SequenceCut(self.mesh.group("cp")) if self.degrees.cp_enabled else None
@@ -166,16 +175,18 @@ class MeshStrategy(Strategy):
                 "autograd, where tensor hooks do not run",
             )
         broadcast_model(model, None, self.topology.device)
+        if self._expert_mesh is not None:
+            self.experts = ExpertParallel(
+                model, self._expert_mesh, d.dp, self.topology.device, preparation.compile
+            )
+        if d.dp_enabled and not d.cp_enabled and experts_of(model):
+            self._balance = GlobalBalance.install(model, self.mesh.dp_group)
         model = self.prepare(model)
         self._user = model
         self.parts = parallelize(
-            model,
-            self.mesh,
-            self.config,
-            self.topology.device,
-            self.shard,
-            preparation,
-        )
+            model, self.mesh, self.config, self.topology.device, self.shard, preparation,
+            self.experts,
+        )  # fmt: skip
         self.model = self.parts.model
         if self.deferred is not None:  # built on the meta device: this rank's part, placed
             self.deferred.initialise(model)
@@ -196,7 +207,7 @@ class MeshStrategy(Strategy):
                 LOGGER.info("pipeline stage %d: %s", s, ", ".join(layout_of(stage).layer_names))
         if optimizer is None:
             return self.model, None
-        if self.shard is None and not self.degrees.pp_enabled and not self.degrees.tp_enabled:
+        if self.shard is None and not (d.pp_enabled or d.tp_enabled or d.ep_enabled):
             return self.model, optimizer  # the same parameter objects: nothing to rebuild
         local = self.parts.local
         return self.model, repoint(optimizer, held_names(local, names), local)
@@ -219,6 +230,8 @@ class MeshStrategy(Strategy):
         model that computes its own loss: `dtrain.step.batches.pipeline_parts`); the batch's
         loss is averaged over the dp replicas, so a non-finite loss on any of them is
         seen by all."""
+        if self._balance is not None:
+            self._balance.weight = scale
         pipeline = self.pipeline
         cut = self.sequence
         if cut is not None:  # forward and backward (a recompute) attend over all
@@ -254,7 +267,13 @@ class MeshStrategy(Strategy):
                 "engine.train_step(batch, loss_fn) instead of engine.backward(loss)."
             )
         loss.backward()
-        if self._unused is not None and self._syncing:
+        if self._balance is not None:
+            self._balance.weight = 1.0  # a loop by hand weighs its loss itself
+        if not self._syncing:
+            return
+        if self.experts is not None:
+            self.experts.reduce_gradients()
+        if self._unused is not None:
             self._unused.check()
 
     @contextlib.contextmanager
@@ -266,23 +285,20 @@ class MeshStrategy(Strategy):
                 yield
             return
         model = self.model
-        if isinstance(model, DistributedDataParallel):
-            self._syncing = False
-            try:
+        sync = getattr(model, "set_requires_gradient_sync", None)
+        self._syncing = False
+        try:
+            if isinstance(model, DistributedDataParallel):
                 with model.no_sync():
                     yield
-            finally:
-                self._syncing = True
-            return
-        sync = getattr(model, "set_requires_gradient_sync", None)
-        if sync is None:
-            yield
-            return
-        sync(False)
-        try:
+                return
+            if sync is not None:
+                sync(False)
             yield
         finally:
-            sync(True)
+            self._syncing = True
+            if sync is not None:
+                sync(True)
 
     def unwrap(self) -> nn.Module:
         assert self.parts is not None
@@ -350,7 +366,7 @@ class MeshStrategy(Strategy):
             received: list[Any] = [None]
             dist.recv_object_list(received, src=src, group=self._host_group)
             parts.append(received[0])
-        return _merge(parts)
+        return merge_parts(parts)
 
     def load_full_state(
         self,
@@ -371,6 +387,9 @@ class MeshStrategy(Strategy):
     def close(self) -> None:
         if self.sequence is not None:
             self.sequence.release()
+        for held in (self.experts, self._balance):
+            if held is not None:
+                held.release()
         self._context.close()
         # A DDP or FSDP object alive when the process group is destroyed can abort the
         # process on gloo.
@@ -378,22 +397,3 @@ class MeshStrategy(Strategy):
         self.model = None
         self._user = None
         gc.collect()
-
-
-def _merge(
-    parts: list[tuple[dict[str, torch.Tensor], dict[str, Any] | None]],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """The whole model and optimizer state from the stages' parts."""
-    tensors = {k: v for part, _ in parts for k, v in part.items()}
-    states = [state for _, state in parts if state is not None]
-    if not states:
-        return tensors, None
-    groups = [dict(group, params=[]) for group in states[0]["param_groups"]]
-    for state in states:
-        for merged, group in zip(groups, state["param_groups"], strict=True):
-            # A tied weight's state comes from each stage holding it: keep one.
-            merged["params"] += [n for n in group["params"] if n not in merged["params"]]
-    return tensors, {
-        "state": {k: v for s in states for k, v in s["state"].items()},
-        "param_groups": groups,
-    }

@@ -192,8 +192,8 @@ class MeshSpec(StrategySpec):
         fits = "processes, so no whole number of data-parallel ranks fits; make --nproc"
         dp, cp = per_context(world_size, config.cp, fits)
         if self.reshard_after_forward is None:
-            return Degrees(dp_replicate=dp, cp=cp)
-        return Degrees(dp_shard=dp, cp=cp)
+            return Degrees(dp_replicate=dp, cp=cp, ep=config.ep)
+        return Degrees(dp_shard=dp, cp=cp, ep=config.ep)
 
     def dp_mode(self, config: Config) -> str:
         """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
@@ -230,7 +230,7 @@ class HSDPSpec(MeshSpec):
                 "ddp for plain replicas."
             )
         shard, cp = per_context(size, config.cp, "hsdp's --shard-size ranks; make it")
-        return Degrees(dp_replicate=world_size // size, dp_shard=shard, cp=cp)
+        return Degrees(dp_replicate=world_size // size, dp_shard=shard, cp=cp, ep=config.ep)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,8 @@ MODEL_PARALLEL = ("pipeline", "tensor", "hybrid")
 """The strategies that read --pp, --tp, --dp, --dp-mode and the pipeline's shape."""
 CONTEXT_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tensor", "hybrid")
 """The strategies that cut the sequence over --cp ranks."""
+EXPERT_PARALLEL = ("ddp", "zero2", "zero3", "fsdp", "hsdp")
+"""The strategies that split mixture-of-experts layers over --ep ranks."""
 
 
 def pipeline_flags(config: Config) -> list[str]:
@@ -70,6 +72,7 @@ def check(config: Config) -> None:
             "--hierarchical averages gradients machine by machine over the data-parallel "
             "ranks, but with --cp the context-parallel ranks average theirs too; drop one."
         )
+    _check_experts(config)
     one_of("--schedule", config.schedule, SCHEDULES)
     one_of("--dp-mode", config.dp_mode, DP_MODES)
     at_least("--microbatches", config.microbatches)
@@ -80,3 +83,23 @@ def check(config: Config) -> None:
                 "--schedule interleaved runs; add it, or drop --virtual-stages."
             )
         at_least("--virtual-stages", config.virtual_stages, 2)
+
+
+def _check_experts(config: Config) -> None:
+    """--ep under a strategy that splits the experts, without what it cannot run beside."""
+    at_least("--ep", config.ep)
+    if config.ep == 1:
+        return
+    if (config.strategy or "ddp") not in EXPERT_PARALLEL:
+        raise ConfigError(
+            f"--ep {config.ep} splits each mixture-of-experts layer's experts over "
+            f"{config.ep} data-parallel ranks, which --strategy {config.strategy} does not "
+            "do (expert parallelism runs under ddp, zero2, zero3 and hsdp); use one of "
+            "those, or drop --ep."
+        )
+    for flag, on in (("--cp", config.cp > 1), ("--compile", config.compile)):
+        if on:
+            raise ConfigError(
+                f"--ep with {flag} is not supported yet (the experts' forward sends tokens "
+                f"between ranks, which {flag} would change); drop one of them."
+            )

@@ -1,0 +1,86 @@
+"""A mixture of experts' load-balancing loss over the whole global batch.
+
+Hugging Face MoE models (Mixtral, Qwen2-MoE, ...) add ``coef * E * sum_e f_e * P_e`` to
+their loss, f_e the share of the routing choices that went to expert e and P_e its mean
+router probability, both over the batch the model sees. Under data parallelism each process
+sees its share only: the product of two means is not the mean of the products, so each
+process's own loss (what `transformers` computes) trains towards another balance than one
+process on the global batch does.
+
+For the length of a training run the model module's ``load_balancing_loss_func`` is
+replaced by one that counts the choices and rows of every data-parallel process (an
+all-reduce, no gradient) and lets this process's probabilities carry the gradient:
+process r returns ``E * sum_e f_e * p_{r,e} * W / w_r``, p_{r,e} its probability sums over
+all rows, W the sum of the micro-batch weights (`dtrain.step.batches.share_weights`) of
+all processes and w_r its own. The step's weighted mean over processes is then the global
+batch's loss, its gradient the global batch's gradient. Evaluation (no gradient) computes
+the model's own.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.step.batches import Weight
+
+NAME = "load_balancing_loss_func"
+"""The function Hugging Face MoE models compute their auxiliary loss with."""
+
+
+class GlobalBalance:
+    """The replacement of one model module's balancing loss, while installed."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+        self.module = sys.modules[type(model).__module__]
+        self.own: Callable[..., Any] = getattr(self.module, NAME)
+        self.group = group
+        self.weight: Weight = 1.0
+        """This process's weight of the micro-batch being computed (set by the step)."""
+        setattr(self.module, NAME, self)
+
+    @classmethod
+    def install(cls, model: nn.Module, group: dist.ProcessGroup) -> GlobalBalance | None:
+        """The replacement for `model`'s module, or None where it computes no such loss."""
+        module = sys.modules.get(type(model).__module__)
+        if not callable(getattr(module, NAME, None)):
+            return None
+        return cls(model, group)
+
+    def __call__(
+        self,
+        gate_logits: Any,
+        num_experts: int | None = None,
+        top_k: int = 2,
+        attention_mask: torch.Tensor | None = None,
+    ) -> Any:
+        if not torch.is_grad_enabled() or not isinstance(gate_logits, tuple) or not num_experts:
+            return self.own(gate_logits, num_experts, top_k, attention_mask)
+        device = gate_logits[0].device
+        chosen = torch.zeros(num_experts, device=device)
+        probs = torch.zeros(num_experts, device=device)
+        rows = torch.zeros((), device=device)
+        mask = None if attention_mask is None else attention_mask.reshape(-1).to(device).float()
+        for logits in gate_logits:
+            routing = torch.softmax(logits.to(device).float(), dim=-1)
+            kept = torch.ones(routing.shape[0], device=device) if mask is None else mask
+            picks = torch.topk(routing, top_k, dim=-1).indices.reshape(-1)
+            chosen = chosen.scatter_add(0, picks, kept.repeat_interleave(top_k))
+            probs = probs + (routing * kept[:, None]).sum(0)
+            rows = rows + kept.sum()
+        weight = torch.as_tensor(self.weight, dtype=torch.float32, device=device)
+        totals = torch.cat([chosen, rows[None], weight[None]]).detach()
+        dist.all_reduce(totals, group=self.group)
+        share = torch.where(weight > 0, totals[-1] / weight, 0.0)
+        every = totals[-2]
+        return num_experts * torch.sum(totals[:num_experts] / every * probs / every) * share
+
+    def release(self) -> None:
+        """Give the model's module its own function back."""
+        if getattr(self.module, NAME, None) is self:
+            setattr(self.module, NAME, self.own)

@@ -1,0 +1,209 @@
+"""Expert parallelism (--ep): each mixture-of-experts layer's experts split over ranks,
+tokens sent to them by all-to-all. The bundled MoE GPT and a Hugging Face Mixtral train
+to `single`'s parameters under ddp and zero3 with the experts split; what cannot be split
+is refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+from torch.testing import assert_close
+from torch.utils.data import Dataset
+from training import CLOSE
+
+import dtrain
+from dtrain.config import Config
+from dtrain.errors import ConfigError
+from dtrain.models.gpt import GPT, GPTConfig, lm_loss
+from dtrain.parallel.expert_parallel import check_experts, experts_of
+from dtrain.strategies.specs import lookup
+
+STEPS = 3
+LENGTH = 16
+MODELS = ("gpt", "mixtral")
+CONFIG = GPTConfig(vocab_size=48, context=LENGTH, dim=32, layers=2, heads=4, experts=4, top_k=2)
+
+
+class Tokens(Dataset):
+    """Random token sequences as (inputs, targets) pairs, the targets shifted by one."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, CONFIG.vocab_size, (32, LENGTH + 1), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i, :-1], self.ids[i, 1:]
+
+
+class Labelled(Dataset):
+    """The same sequences as Hugging Face batches, ``{"input_ids", "labels"}``."""
+
+    def __init__(self) -> None:
+        self.ids = Tokens().ids[:, :-1]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def mixtral() -> torch.nn.Module:
+    """A tiny Hugging Face Mixtral: 4 experts, top-2, its load-balancing loss on."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=CONFIG.vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=LENGTH,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        use_cache=False,
+    )
+    return MixtralForCausalLM(config)
+
+
+def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's parameters after STEPS AdamW steps on global batches of 8 under
+    `layout` (saved as a checkpoint under its "save" path, if it names one)."""
+    layout = dict(layout)
+    save = layout.pop("save", None)
+    load = layout.pop("load", None)
+    hf = layout.pop("model", "gpt") == "mixtral"
+    engine = dtrain.init(seed=0, cpu=True, **layout)
+    torch.manual_seed(0)
+    model = mixtral() if hf else GPT(CONFIG)
+    model, _ = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    if load is not None:  # a checkpoint of the same run: loaded, then nothing more trained
+        engine.load(load)
+        params = engine.state_dict()
+        engine.close()
+        return params
+    data = Labelled() if hf else Tokens()
+    for batch in engine.dataloader(data, global_batch_size=8):
+        engine.train_step(batch, None if hf else lm_loss)
+        if engine.step == STEPS:
+            break
+    params = engine.state_dict()
+    if save is not None:
+        engine.save(save)
+    engine.close()
+    return params
+
+
+def trained_each(layouts: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+    return [trained(layout) for layout in layouts]
+
+
+LAYOUTS_AT_2: list[dict[str, Any]] = [
+    {"strategy": "ddp", "ep": 2},
+    {"strategy": "zero3", "ep": 2},
+    {"strategy": "zero2", "ep": 2, "grad_accumulation": 2},
+    # Without --ep too, the balancing loss is the global batch's (not each rank's own).
+    {"strategy": "ddp", "model": "mixtral"},
+    {"strategy": "ddp", "ep": 2, "model": "mixtral"},
+    {"strategy": "zero3", "ep": 2, "model": "mixtral"},
+]
+
+
+@pytest.mark.timeout(600)
+def test_experts_split_over_ranks_train_as_single(tmp_path: Path) -> None:
+    expected = {model: trained({"strategy": "single", "model": model}) for model in MODELS}
+    expected["accumulated"] = trained({"strategy": "single", "grad_accumulation": 2})
+    layouts = [*LAYOUTS_AT_2, {"strategy": "zero3", "ep": 2, "save": str(tmp_path / "ep2")}]
+    results = run_ranks(trained_each, 2, layouts, timeout=280)[0]
+    saved = results[-1]
+    for layout, got in zip(layouts, results, strict=True):
+        model = "accumulated" if "grad_accumulation" in layout else layout.get("model", "gpt")
+        assert_close(got, expected[model], **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
+    layouts = [
+        {"strategy": "zero3", "ep": 2},  # two groups of two ranks, each holding every expert
+        {"strategy": "zero3", "ep": 2, "model": "mixtral"},
+        {"strategy": "hsdp", "ep": 2, "shard_size": 2},
+        {"strategy": "ddp", "ep": 4, "load": str(tmp_path / "ep2")},  # one expert a rank
+    ]
+    replicated, hf, hybrid, loaded = run_ranks(trained_each, 4, layouts, timeout=280)[0]
+    assert_close(replicated, expected["gpt"], **CLOSE, msg=lambda m: f"zero3 ep2 of 4: {m}")
+    assert_close(hf, expected["mixtral"], **CLOSE, msg=lambda m: f"mixtral ep2 of 4: {m}")
+    assert_close(hybrid, expected["gpt"], **CLOSE, msg=lambda m: f"hsdp ep2 of 4: {m}")
+    assert_close(loaded, saved, rtol=0, atol=0, msg=lambda m: f"loaded at ep4: {m}")
+    # The checkpoint holds every expert under the layer's own name: it loads whole into one
+    # process.
+    engine = dtrain.init(strategy="single", cpu=True)
+    model, _ = engine.setup(GPT(CONFIG))
+    engine.load(tmp_path / "ep2")
+    assert_close(dict(model.state_dict()), saved, rtol=0, atol=0)
+    engine.close()
+
+
+def setup_refusals() -> list[str]:
+    """What --ep 2 says at setup to a model without experts, a compiled one and one built
+    on the meta device."""
+    engine = dtrain.init(strategy="zero3", ep=2, cpu=True)
+
+    def empty() -> torch.nn.Module:
+        with engine.init_empty():
+            return GPT(CONFIG)
+
+    said = []
+    for build in (
+        lambda: GPT(replace(CONFIG, experts=0)),
+        lambda: torch.compile(GPT(CONFIG)),
+        empty,
+    ):
+        with pytest.raises(ConfigError) as refused:
+            engine.setup(build())
+        said.append(str(refused.value))
+    engine.close()
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_models_expert_parallelism_cannot_split_are_refused_at_setup() -> None:
+    said = run_ranks(setup_refusals, 2, timeout=100)
+    assert said[0] == said[1]
+    dense, compiled, meta = said[0]
+    assert "GPT has no experts modules" in dense
+    assert "drop --ep for a dense model" in dense
+    assert "pass the model to engine.setup uncompiled with --ep" in compiled
+    assert "'blocks.0.mlp.experts' from the whole layer, but it is on the meta" in meta
+
+
+def test_what_cannot_be_split_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"--ep 2 splits .* which --strategy tensor does not"):
+        dtrain.init(strategy="tensor", ep=2)
+    with pytest.raises(ConfigError, match=r"--ep with --cp is not supported yet"):
+        dtrain.init(strategy="ddp", ep=2, cp=2)
+    with pytest.raises(ConfigError, match=r"--ep must be at least 1, got 0"):
+        dtrain.init(strategy="ddp", ep=0)
+    with pytest.raises(ConfigError, match=r"--ep 4 groups the 2 data-parallel ranks .* does not"):
+        lookup("zero3").layout(Config(strategy="zero3", ep=4), 2)  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"--ep 4 does not divide the 6 experts of 'blocks.0"):
+        check_experts(GPT(replace(CONFIG, experts=6)), 4)
+    with pytest.raises(ValueError, match=r"--top-k 5 routes each token to that many of the 4"):
+        GPT(replace(CONFIG, top_k=5))
+    with pytest.raises(ValueError, match=r"place the experts over ranks with --ep instead"):
+        GPT(CONFIG).tensor_parallel_plan(2)
+
+
+def test_experts_are_found_as_the_model_says() -> None:
+    assert list(experts_of(GPT(CONFIG))) == ["blocks.0.mlp.experts", "blocks.1.mlp.experts"]
+    assert list(experts_of(mixtral())) == [
+        "model.layers.0.mlp.experts",
+        "model.layers.1.mlp.experts",
+    ]
+    assert experts_of(GPT(replace(CONFIG, experts=0))) == {}
