@@ -15,7 +15,7 @@ from pathlib import Path
 from dtrain import checkpoint
 from dtrain.checkpoint import out_lock
 from dtrain.errors import ConfigError
-from dtrain.models import check_size
+from dtrain.models import check_experts_flags, check_size
 from dtrain.models.recipes import TASKS
 
 DEFAULT_OUT = "runs/demo"
@@ -25,6 +25,7 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the training flags left unset with the defaults of the model's task, and
     reject values that cannot work."""
     check_size(args.model, args.model_size)
+    check_experts_flags(args.model, args.experts, args.top_k)
     task = TASKS[args.model]
     for flag in ("epochs", "global_batch_size", "lr", "optimizer"):
         if getattr(args, flag) is None:

@@ -19,6 +19,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--model", default="cnn", choices=MODELS, help="Bundled model.")
     g.add_argument("--model-size", default=None, choices=GPT_SIZES, help="Size of --model gpt.")
+    add_expert_args(g)
     g.add_argument(
         "--epochs", type=int, default=None, help="Passes over the training set (cnn/mlp 12, gpt 4)."
     )
@@ -141,3 +142,16 @@ def check_training_args(args: argparse.Namespace) -> None:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def add_expert_args(group: argparse._ArgumentGroup) -> None:
+    """--experts and --top-k: the bundled GPT's mixture-of-experts MLPs."""
+    group.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="--model gpt: each block's MLP a mixture of this many experts (0: dense).",
+    )
+    group.add_argument(
+        "--top-k", type=int, default=2, help="With --experts: experts each token goes to."
+    )

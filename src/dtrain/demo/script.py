@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
 
     task = TASKS[args.model]
-    model = build(args.model, args.model_size)
+    model = build(args.model, args.model_size, args.experts, args.top_k)
     train_set, test_set = task.data(model)
     lr = scale_lr(args.lr, args.global_batch_size, args.ref_batch_size, args.lr_scaling)
     optimizer = make_optimizer(args.optimizer, model, lr)

@@ -5,6 +5,8 @@ A foundation: it imports the leaves and `dtrain.datasets` (a recipe names its da
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from dtrain.command_names import MODELS
@@ -23,11 +25,27 @@ def check_size(name: str, size: str | None) -> None:
         )
 
 
-def build(name: str, size: str | None = None) -> nn.Module:
-    """A fresh instance of the bundled model `name` (gpt: of `size`, default tiny)."""
+def check_experts_flags(name: str, experts: int, top_k: int) -> None:
+    """Refuse --experts and --top-k that the bundled model `name` cannot take (only gpt
+    has experts; top-k between 1 and the experts)."""
+    if experts and name != "gpt":
+        raise ConfigError(f"--experts applies to --model gpt only, not '{name}'.")
+    if experts < 0:
+        raise ConfigError(f"--experts must be 0 (a dense MLP) or more, got {experts}.")
+    if experts and not 1 <= top_k <= experts:
+        raise ConfigError(
+            f"--top-k {top_k} routes each token to that many of the {experts} experts; pick "
+            "a top-k between 1 and --experts."
+        )
+
+
+def build(name: str, size: str | None = None, experts: int = 0, top_k: int = 2) -> nn.Module:
+    """A fresh instance of the bundled model `name` (gpt: of `size`, default tiny; with
+    `experts`, each block's MLP a mixture of that many experts, `top_k` per token)."""
     check_size(name, size)
+    check_experts_flags(name, experts, top_k)
     if name == "gpt":
-        return GPT(SIZES[size or "tiny"])
+        return GPT(replace(SIZES[size or "tiny"], experts=experts, top_k=top_k))
     if name == "cnn":
         return DigitsCNN()
     if name == "mlp":

@@ -111,11 +111,12 @@ class MeshStrategy(Strategy):
             dp_group=self.mesh.dp_group,
             train_group=None,  # the stages and tensor-parallel ranks train too: every rank
             micro_splits=microbatches(self.config, d.pp) if d.pp_enabled else 1,
-            splits_model=parts,
+            splits_model=parts or d.ep_enabled,
             places_parts=parts,
-            # Sharded parameters are gathered in forward, and replicas of pipeline stages
-            # or tensor-parallel layers (`replicate`) act there too.
+            # Sharded parameters are gathered in forward, replicas of pipeline stages or
+            # tensor-parallel layers (`replicate`) act there too, and experts get tokens.
             collective_forward=sharded
+            or d.ep_enabled
             or ((d.dp_enabled or d.cp_enabled) and (d.pp_enabled or d.tp_enabled)),
             handles_precision=sharded,
             # Pipeline stages hold different layers: their gradient norms add up.
