@@ -123,6 +123,8 @@ def test_each_rule_names_its_cause_with_the_figures() -> None:
     assert [c["cause"] for c in causes] == ["communication", "small-batch"]
     [cut, *_] = diagnose([chatty, chatty], job=Job("zero3", cp=2))
     assert "a lower --cp than 2" in cut["message"]  # the keys and values are what cross
+    [split, *_] = diagnose([chatty, chatty], job=Job("zero3", ep=2))
+    assert "a lower --ep than 2" in split["message"]  # the tokens are what cross
     full = diagnose([quiet], memory=[(95 * 2**30, 100 * 2**30)])
     assert full[0]["cause"] == "memory" and full[0]["rank"] == 0
     assert "dtrain: what to change" in table([chatty], causes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -83,6 +84,8 @@ def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
     layout = dict(layout)
     save = layout.pop("save", None)
     load = layout.pop("load", None)
+    folder = layout.pop("save_pretrained", None)
+    count = layout.pop("count_collectives", False)
     hf = layout.pop("model", "gpt") == "mixtral"
     engine = dtrain.init(seed=0, cpu=True, **layout)
     torch.manual_seed(0)
@@ -94,13 +97,24 @@ def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
         engine.close()
         return params
     data = Labelled() if hf else Tokens()
+    marked: list[int] = []
+    if count:  # the all-to-alls tell the breakdown (the strategy's handover) when they run
+        handover = engine.strategy.handover
+        engine.strategy.experts.timing = SimpleNamespace(
+            collective_started=lambda: (marked.append(1), handover.collective_started()),
+            collective_ended=handover.collective_ended,
+        )
     for batch in engine.dataloader(data, global_batch_size=8):
         engine.train_step(batch, None if hf else lm_loss)
         if engine.step == STEPS:
             break
     params = engine.state_dict()
+    if params is not None and count:
+        params["collectives"] = torch.tensor(len(marked))
     if save is not None:
         engine.save(save)
+    if folder is not None:
+        engine.save_pretrained(folder)
     # 5 samples in batches of 2: the ranks hold 2 and 1 batches, yet each runs as many
     # forwards (the experts exchange tokens in each).
     loader = engine.dataloader(Subset(data, range(5)), batch_size=2, drop_last=False)
@@ -116,13 +130,13 @@ def trained_each(layouts: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]
 
 
 LAYOUTS_AT_2: list[dict[str, Any]] = [
-    {"strategy": "ddp", "ep": 2},
+    {"strategy": "ddp", "ep": 2, "count_collectives": True},
     {"strategy": "zero3", "ep": 2},
     {"strategy": "zero2", "ep": 2, "grad_accumulation": 2},
     # Without --ep too, the balancing loss is the global batch's (not each rank's own).
     {"strategy": "ddp", "model": "mixtral"},
-    {"strategy": "ddp", "ep": 2, "model": "mixtral"},
-    {"strategy": "zero3", "ep": 2, "model": "mixtral"},
+    {"strategy": "ddp", "ep": 2, "model": "mixtral", "save_pretrained": "ddp"},
+    {"strategy": "zero3", "ep": 2, "model": "mixtral", "save_pretrained": "zero3"},
 ]
 
 
@@ -130,11 +144,19 @@ LAYOUTS_AT_2: list[dict[str, Any]] = [
 def test_experts_split_over_ranks_train_as_single(tmp_path: Path) -> None:
     expected = {model: trained({"strategy": "single", "model": model}) for model in MODELS}
     expected["accumulated"] = trained({"strategy": "single", "grad_accumulation": 2})
-    layouts = [*LAYOUTS_AT_2, {"strategy": "zero3", "ep": 2, "save": str(tmp_path / "ep2")}]
-    results = run_ranks(trained_each, 2, layouts, timeout=280)[0]
+    at_two = [
+        {**layout, "save_pretrained": str(tmp_path / layout["save_pretrained"])}
+        if "save_pretrained" in layout
+        else layout
+        for layout in [*LAYOUTS_AT_2, {"strategy": "zero3", "ep": 2, "save": str(tmp_path / "ep2")}]
+    ]
+    results = run_ranks(trained_each, 2, at_two, timeout=280)[0]
     saved = dict(results[-1])
     saved.pop("evaluated")
-    for layout, got in zip(layouts, results, strict=True):
+    # Each step, each of the 2 MoE layers: the counts exchanged, the tokens sent and
+    # their outputs returned in forward, both again in backward.
+    assert results[0].pop("collectives").item() == STEPS * 2 * 5
+    for layout, got in zip(at_two, results, strict=True):
         model = "accumulated" if "grad_accumulation" in layout else layout.get("model", "gpt")
         assert_close(got, expected[model], **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
     layouts = [
@@ -155,6 +177,15 @@ def test_experts_split_over_ranks_train_as_single(tmp_path: Path) -> None:
     engine.load(tmp_path / "ep2")
     assert_close(dict(model.state_dict()), saved, rtol=0, atol=0)
     engine.close()
+    # Hugging Face folders hold each layer's experts stacked, as the model stores them.
+    from transformers import MixtralForCausalLM
+
+    for layout, got in zip(at_two, results, strict=True):
+        if "save_pretrained" in layout:
+            folder = MixtralForCausalLM.from_pretrained(layout["save_pretrained"])
+            state = {k: v for k, v in folder.state_dict().items() if k in got}
+            assert state.keys() == got.keys() - {"evaluated"}
+            assert_close(state, {k: got[k] for k in state}, rtol=0, atol=0)
 
 
 def setup_refusals() -> list[str]:

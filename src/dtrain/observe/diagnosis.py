@@ -53,6 +53,8 @@ class Job:
     """The 16-bit format the devices reduce in: bf16, or fp16 on GPUs without bf16."""
     cp: int = 1
     """Context-parallel ranks sharing each sample (--cp)."""
+    ep: int = 1
+    """Expert-parallel ranks splitting each MoE layer's experts (--ep)."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,11 @@ def _fewer_bytes(job: Job | None) -> str:
             f"or cut each sample over fewer ranks (a lower --cp than {job.cp}, more "
             "data-parallel ranks): every block's keys and values cross the context ranks, "
             "forward and backward"
+        )
+    if job is not None and job.ep > 1:
+        return (
+            f"or split the experts over fewer ranks (a lower --ep than {job.ep}): every MoE "
+            "layer sends its tokens to the experts' ranks and back, forward and backward"
         )
     if job is None or job.nnodes < 2:
         return generic

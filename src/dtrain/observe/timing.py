@@ -56,6 +56,7 @@ class RunTiming(Observer):
             # The 16-bit format to advise: fp16 on GPUs without bf16.
             "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16",
             config.cp,
+            config.ep,
         )
         self.per_device_batch: int | None = None
         """Samples one device computes per micro-batch, once a step has run."""

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.parallel.collective_timing import CollectiveTiming, timed
+
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits; backward sends the gradients back."""
@@ -30,22 +32,28 @@ class _AllToAll(torch.autograd.Function):
         out_splits: list[int],
         in_splits: list[int],
         group: dist.ProcessGroup,
+        timing: CollectiveTiming | None,
     ) -> torch.Tensor:
         ctx.splits = (in_splits, out_splits)
-        ctx.group = group
-        return _exchange(x, out_splits, in_splits, group)
+        ctx.group, ctx.timing = group, timing
+        return _exchange(x, out_splits, in_splits, group, timing)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, out_splits, in_splits, ctx.group), None, None, None
+        return _exchange(grad, out_splits, in_splits, ctx.group, ctx.timing), None, None, None, None
 
 
 def _exchange(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    timing: CollectiveTiming | None,
 ) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    with timed(timing):
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
@@ -60,11 +68,13 @@ def dispatch(
     num_experts: int,
     group: dist.ProcessGroup,
     compute: ExpertCompute,
+    timing: CollectiveTiming | None = None,
 ) -> torch.Tensor:
     """Each token of `hidden` (T, dim) through its chosen experts (`top_k_index`, (T, K),
     over all `num_experts`), weighted by `top_k_weights` (T, K) and summed: what one
     process computes with every expert, here with the experts spread over `group`;
-    `compute` runs this rank's experts on the rows sent to it."""
+    `compute` runs this rank's experts on the rows sent to it. The all-to-alls tell
+    `timing` when they start and end (the breakdown counts them as communication)."""
     ranks = dist.get_world_size(group)
     local = num_experts // ranks
     k = top_k_index.shape[1]
@@ -73,14 +83,15 @@ def dispatch(
     token = order // k
     counts = torch.bincount(flat, minlength=num_experts)
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # (source, local expert) counts
-    send = counts.view(ranks, local).sum(1).tolist()
-    by_source = received.view(ranks, local)
-    recv = by_source.sum(1).tolist()
-    rows = _AllToAll.apply(hidden[token], recv, send, group)
+    with timed(timing):  # (source, local expert) counts; the splits are read on the host
+        dist.all_to_all_single(received, counts, group=group)
+        send = counts.view(ranks, local).sum(1).tolist()
+        by_source = received.view(ranks, local)
+        recv = by_source.sum(1).tolist()
+    rows = _AllToAll.apply(hidden[token], recv, send, group, timing)
     experts = torch.repeat_interleave(
         torch.arange(local, device=hidden.device).repeat(ranks), by_source.reshape(-1)
     )
-    outputs = _AllToAll.apply(compute(rows, experts), send, recv, group)
+    outputs = _AllToAll.apply(compute(rows, experts), send, recv, group, timing)
     weighted = outputs * top_k_weights.reshape(-1)[order, None].to(outputs.dtype)
     return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from dtrain.errors import ConfigError
+from dtrain.parallel.collective_timing import CollectiveTiming, timed
 
 SDPA = F.scaled_dot_product_attention
 """torch's own attention, which the chunks call."""
@@ -141,7 +142,7 @@ class WholeSequence:
     ) -> torch.Tensor:
         """Each of this rank's two chunks of queries attending the whole sequence's keys
         and values up to its end (all of them without `is_causal`)."""
-        with _timed(self.timing):
+        with timed(self.timing):
             keys, values = self._whole(key), self._whole(value)
         if enable_gqa and keys.shape[-3] != query.shape[-3]:
             # Grouped-query attention: each key head serves a run of query heads. Repeated
@@ -203,26 +204,6 @@ class _Gathered(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         mine = grad.new_empty(grad.shape[1:])
         whole = grad.flatten(0, 1).contiguous()
-        with _timed(ctx.timing):
+        with timed(ctx.timing):
             dist.reduce_scatter_tensor(mine, whole, group=ctx.group)
         return mine, None, None
-
-
-class CollectiveTiming(Protocol):
-    """Whom the cut tells when its collectives start and end (the strategy's handover)."""
-
-    collective_started: Callable[[], None]
-    collective_ended: Callable[[], None]
-
-
-@contextlib.contextmanager
-def _timed(timing: CollectiveTiming | None) -> Iterator[None]:
-    """The block's time counts as communication in the step's breakdown."""
-    if timing is None:
-        yield
-        return
-    timing.collective_started()
-    try:
-        yield
-    finally:
-        timing.collective_ended()

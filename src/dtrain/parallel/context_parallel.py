@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.errors import ConfigError, SetupError
-from dtrain.parallel.context_attention import CollectiveTiming, WholeSequence, held_chunks
+from dtrain.parallel.collective_timing import CollectiveTiming
+from dtrain.parallel.context_attention import WholeSequence, held_chunks
 from dtrain.parallel.hf_context import attention_switch
 from dtrain.step.batches import IGNORE_INDEX, LabelCounter, LossFn, is_pair
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtrain.errors import ConfigError
 from dtrain.parallel.all_to_all import dispatch
+from dtrain.parallel.collective_timing import CollectiveTiming
 
 
 def experts_of(model: nn.Module) -> dict[str, nn.Module]:
@@ -104,6 +105,7 @@ class ExpertParallel:
         dp: int,
         device: torch.device,
         compiled: bool = False,
+        timing: CollectiveTiming | None = None,
     ) -> None:
         if compiled:
             raise ConfigError(
@@ -112,6 +114,8 @@ class ExpertParallel:
                 "once and keep; pass the model to engine.setup uncompiled with --ep."
             )
         self.mesh = mesh
+        self.timing = timing
+        """Told when the all-to-alls start and end (the strategy's handover)."""
         self.ep = mesh.size(1)
         self.group = mesh.get_group("ep")
         self.replicas = mesh.get_group("ep_replicate") if mesh.size(0) > 1 else None
@@ -150,7 +154,9 @@ class ExpertParallel:
                     ones = top_k_weights.new_ones(rows.shape[0], 1)
                     return own(rows.to(dtype), experts[:, None], ones).to(rows.dtype)
 
-            return dispatch(hidden, top_k_index, top_k_weights, count, self.group, compute)
+            return dispatch(
+                hidden, top_k_index, top_k_weights, count, self.group, compute, self.timing
+            )
 
         return forward
 

@@ -262,6 +262,33 @@ class Pipeline:
         for stage in self.stages:
             self.compute_seconds[stage.stage_index] += stage.take_seconds(wait=True)
 
+    def figures(self, schedule: str, world_size: int) -> dict[str, object]:
+        """The schedule, each stage's layers and its compute time per step, averaged over
+        the ranks running it (a collective over all `world_size` ranks): an unbalanced
+        split shows as one stage computing longer."""
+        from dtrain.parallel.split import layout_of  # split knows the pipeline's feed
+
+        self.settle_timers()
+        per_step = 1000 / max(self.steps, 1)
+        mine = {
+            s: (layout_of(module).layer_names, self.compute_seconds[s] * per_step)
+            for s, module in self.modules.items()
+        }
+        everyone: list[Any] = [None] * world_size
+        dist.all_gather_object(everyone, mine)
+        stages: dict[int, tuple[list[str], list[float]]] = {}
+        for part in everyone:
+            for s, (names, ms) in part.items():
+                stages.setdefault(s, (names, []))[1].append(ms)
+        order = sorted(stages)
+        return {
+            "schedule": f"{schedule}, {self.microbatches} micro-batches",
+            "stages": " / ".join("+".join(stages[s][0]) for s in order),
+            "stage_compute_ms": " / ".join(
+                f"{sum(stages[s][1]) / len(stages[s][1]):.1f}" for s in order
+            ),
+        }
+
 
 class PipelineModel(nn.Module):
     """What `engine.setup` returns under a pipeline: this rank's layers (with canonical

@@ -178,8 +178,9 @@ class MeshStrategy(Strategy):
         broadcast_model(model, None, self.topology.device)
         if self._expert_mesh is not None:
             self.experts = ExpertParallel(
-                model, self._expert_mesh, d.dp, self.topology.device, preparation.compile
-            )
+                model, self._expert_mesh, d.dp, self.topology.device, preparation.compile,
+                self.handover,
+            )  # fmt: skip
         if d.dp_enabled and not d.cp_enabled and experts_of(model):
             self._balance = GlobalBalance.install(model, self.mesh.dp_group)
         model = self.prepare(model)
@@ -319,27 +320,8 @@ class MeshStrategy(Strategy):
         """The layout; under a pipeline, the schedule, each stage's layers and its compute
         time per step (an unbalanced split shows as one stage computing longer)."""
         out: dict[str, object] = {"layout": self.degrees.describe()}
-        p = self.pipeline
-        if p is None:
-            return out
-        p.settle_timers()
-        per_step = 1000 / max(p.steps, 1)
-        mine = {
-            s: (layout_of(module).layer_names, p.compute_seconds[s] * per_step)
-            for s, module in p.modules.items()
-        }
-        everyone: list[Any] = [None] * self.topology.world_size
-        dist.all_gather_object(everyone, mine)
-        stages: dict[int, tuple[list[str], list[float]]] = {}
-        for part in everyone:
-            for s, (names, ms) in part.items():
-                stages.setdefault(s, (names, []))[1].append(ms)
-        order = sorted(stages)
-        out["schedule"] = f"{self.config.schedule}, {p.microbatches} micro-batches"
-        out["stages"] = " / ".join("+".join(stages[s][0]) for s in order)
-        out["stage_compute_ms"] = " / ".join(
-            f"{sum(stages[s][1]) / len(stages[s][1]):.1f}" for s in order
-        )
+        if self.pipeline is not None:
+            out |= self.pipeline.figures(self.config.schedule, self.topology.world_size)
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
