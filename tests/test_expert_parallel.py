@@ -80,8 +80,10 @@ def mixtral() -> torch.nn.Module:
 
 def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model's parameters after STEPS AdamW steps on global batches of 8 under
-    `layout` (saved as a checkpoint under its "save" path, if it names one)."""
+    `layout` (saved as a checkpoint under its "save" path, if it names one). With
+    "by_hand": the habits of a loop written by hand (below)."""
     layout = dict(layout)
+    by_hand = layout.pop("by_hand", False)
     save = layout.pop("save", None)
     load = layout.pop("load", None)
     folder = layout.pop("save_pretrained", None)
@@ -90,7 +92,10 @@ def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
     engine = dtrain.init(seed=0, cpu=True, **layout)
     torch.manual_seed(0)
     model = mixtral() if hf else GPT(CONFIG)
-    model, _ = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    if by_hand:  # a layer's experts frozen, the rest under a schedule
+        model.blocks[0].mlp.experts.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model, optimizer = engine.setup(model, torch.optim.AdamW(trainable, lr=3e-3))
     if load is not None:  # a checkpoint of the same run: loaded, then nothing more trained
         engine.load(load)
         params = engine.state_dict()
@@ -104,7 +109,17 @@ def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
             collective_started=lambda: (marked.append(1), handover.collective_started()),
             collective_ended=handover.collective_ended,
         )
-    for batch in engine.dataloader(data, global_batch_size=8):
+    if by_hand:
+        assert optimizer is not None
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=STEPS)
+        loader = engine.dataloader(data, global_batch_size=8)
+        for _, (inputs, targets) in zip(range(STEPS), loader, strict=False):
+            optimizer.zero_grad()
+            engine.backward(lm_loss(model(inputs), targets))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # torch's own, by hand
+            optimizer.step()
+            schedule.step()
+    for batch in engine.dataloader(data, global_batch_size=8) if not by_hand else []:
         engine.train_step(batch, None if hf else lm_loss)
         if engine.step == STEPS:
             break
@@ -129,10 +144,20 @@ def trained_each(layouts: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]
     return [trained(layout) for layout in layouts]
 
 
+def reference(layout: dict[str, Any]) -> str:
+    """Which of `single`'s runs `layout` trains as."""
+    if "grad_accumulation" in layout:
+        return "accumulated"
+    return "by_hand" if layout.get("by_hand") else layout.get("model", "gpt")
+
+
 LAYOUTS_AT_2: list[dict[str, Any]] = [
     {"strategy": "ddp", "ep": 2, "count_collectives": True},
     {"strategy": "zero3", "ep": 2},
     {"strategy": "zero2", "ep": 2, "grad_accumulation": 2},
+    # A loop by hand: torch's clip_grad_norm_, a scheduler, one layer's experts frozen.
+    {"strategy": "ddp", "ep": 2, "by_hand": True},
+    {"strategy": "zero3", "ep": 2, "by_hand": True},
     # Without --ep too, the balancing loss is the global batch's (not each rank's own).
     {"strategy": "ddp", "model": "mixtral"},
     {"strategy": "ddp", "ep": 2, "model": "mixtral", "save_pretrained": "ddp"},
@@ -144,6 +169,7 @@ LAYOUTS_AT_2: list[dict[str, Any]] = [
 def test_experts_split_over_ranks_train_as_single(tmp_path: Path) -> None:
     expected = {model: trained({"strategy": "single", "model": model}) for model in MODELS}
     expected["accumulated"] = trained({"strategy": "single", "grad_accumulation": 2})
+    expected["by_hand"] = trained({"strategy": "single", "by_hand": True})
     at_two = [
         {**layout, "save_pretrained": str(tmp_path / layout["save_pretrained"])}
         if "save_pretrained" in layout
@@ -157,8 +183,7 @@ def test_experts_split_over_ranks_train_as_single(tmp_path: Path) -> None:
     # their outputs returned in forward, both again in backward.
     assert results[0].pop("collectives").item() == STEPS * 2 * 5
     for layout, got in zip(at_two, results, strict=True):
-        model = "accumulated" if "grad_accumulation" in layout else layout.get("model", "gpt")
-        assert_close(got, expected[model], **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
+        assert_close(got, expected[reference(layout)], **CLOSE, msg=lambda m, o=layout: f"{o}: {m}")
     layouts = [
         {"strategy": "zero3", "ep": 2},  # two groups of two ranks, each holding every expert
         {"strategy": "zero3", "ep": 2, "model": "mixtral"},

@@ -11,9 +11,12 @@ activations).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from dtrain.parallel.degrees import Degrees
 
@@ -99,6 +102,50 @@ class ParallelMesh:
         return self.device_mesh["dp_shard" if d.dp_shard > 1 else "dp_replicate"]
 
 
+@dataclass(frozen=True)
+class ExpertMesh:
+    """Where expert parallelism puts the experts: the mesh and placements of their
+    DTensors, the group each MoE layer exchanges its tokens over (the --ep ranks), and the
+    group of ranks holding the same experts (None when the ep ranks are all the
+    data-parallel ranks)."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    group: dist.ProcessGroup
+    replicas: dist.ProcessGroup | None
+
+    @property
+    def ep(self) -> int:
+        """Ranks the experts are split over."""
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index among them: it holds the rank-th 1/ep of each layer's experts."""
+        return dist.get_rank(self.group)
+
+
+def expert_mesh(mesh: ParallelMesh) -> ExpertMesh:
+    """The experts' mesh over the data-parallel ranks of `mesh` (a collective where a mesh
+    of its own is made; the layouts with experts are data-parallel only). Split over all
+    the data-parallel ranks, or over each hsdp shard group, the experts' DTensors live on
+    the mesh the other parameters' do (so torch's own clip_grad_norm_ can add their norms);
+    otherwise on an (ep_replicate, ep) mesh of groups of ep neighbouring ranks."""
+    d = mesh.degrees
+    assert d.world_size == d.dp, "expert parallelism lays out data-parallel ranks only"
+    dp_mesh = mesh.dp_mesh
+    if d.ep == d.dp and dp_mesh.ndim == 1:
+        return ExpertMesh(dp_mesh, (Shard(0),), dp_mesh.get_group(), None)
+    if dp_mesh.ndim == 2 and d.ep == d.dp_shard:  # hsdp: the experts over each shard group
+        group, replicas = dp_mesh.get_group("dp_shard"), dp_mesh.get_group("dp_replicate")
+        return ExpertMesh(dp_mesh, (Replicate(), Shard(0)), group, replicas)
+    own = init_device_mesh(
+        dp_mesh.device_type, (d.dp // d.ep, d.ep), mesh_dim_names=("ep_replicate", "ep")
+    )
+    group, replicas = own.get_group("ep"), own.get_group("ep_replicate")
+    return ExpertMesh(own, (Replicate(), Shard(0)), group, replicas)
+
+
 def _hsdp_grid(mesh: ParallelMesh) -> DeviceMesh:
     """hsdp with context parallelism: replicas (dim 0) of groups that shard over their
     data- and context-parallel ranks together (dim 1), from new groups (collective)."""
@@ -134,13 +181,3 @@ def parallel_mesh(degrees: Degrees, device_type: str) -> ParallelMesh:
     shape = (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp)
     return ParallelMesh(d, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS))
 
-
-def expert_mesh(degrees: Degrees, device_type: str) -> DeviceMesh:
-    """The (replicas, ep) mesh over the data-parallel ranks that expert parallelism splits
-    the experts over: groups of `degrees.ep` neighbouring ranks, each holding every
-    expert once (a collective; the layouts with experts are data-parallel only)."""
-    d = degrees
-    assert d.world_size == d.dp, "expert parallelism lays out data-parallel ranks only"
-    return init_device_mesh(
-        device_type, (d.dp // d.ep, d.ep), mesh_dim_names=("ep_replicate", "ep")
-    )

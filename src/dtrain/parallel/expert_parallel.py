@@ -10,11 +10,12 @@ and weights: ``experts(hidden (T, dim), top_k_index (T, K), top_k_weights (T, K)
 The expert-parallel groups are N neighbouring data-parallel ranks; rank r of a group keeps
 experts r*E/N .. (r+1)*E/N - 1 of every layer, as a DTensor sharded on the expert
 dimension (replicated over the groups), so checkpoints hold the whole layer under its own
-name. Its forward sends each token to its experts' ranks and back
-(`dtrain.parallel.all_to_all`), then calls the module's own forward on the experts it
-holds. The data-parallel wrappers (DDP, FSDP) leave the experts alone: after backward their
-gradients are summed over the ranks holding the same experts and divided by the
-data-parallel ranks, which gives the whole batch's mean as for every other parameter.
+name (`dtrain.parallel.device_mesh.expert_mesh` says on which mesh). Its forward sends
+each token to its experts' ranks and back (`dtrain.parallel.all_to_all`), then calls the
+module's own forward on the experts it holds. The data-parallel wrappers (DDP, FSDP)
+leave the experts alone: after backward their gradients are summed over the ranks
+holding the same experts and divided by the data-parallel ranks, which gives the whole
+batch's mean as for every other parameter.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from dtrain.errors import ConfigError
 from dtrain.parallel.all_to_all import dispatch
 from dtrain.parallel.collective_timing import CollectiveTiming
+from dtrain.parallel.device_mesh import ExpertMesh
 
 
 def experts_of(model: nn.Module) -> dict[str, nn.Module]:
@@ -95,13 +96,14 @@ def check_experts(model: nn.Module, ep: int) -> dict[str, nn.Module]:
 
 
 class ExpertParallel:
-    """The experts of a model split over the "ep" dimension of `mesh` ((replicas, ep)
-    over the data-parallel ranks), their forward dispatching tokens by all-to-all."""
+    """The experts of a model split over the ep ranks of `mesh`
+    (`dtrain.parallel.device_mesh.expert_mesh`), their forward dispatching tokens by
+    all-to-all."""
 
     def __init__(
         self,
         model: nn.Module,
-        mesh: DeviceMesh,
+        mesh: ExpertMesh,
         dp: int,
         device: torch.device,
         compiled: bool = False,
@@ -113,18 +115,17 @@ class ExpertParallel:
                 "known only when they are routed, which compiling the model would trace "
                 "once and keep; pass the model to engine.setup uncompiled with --ep."
             )
-        self.mesh = mesh
         self.timing = timing
         """Told when the all-to-alls start and end (the strategy's handover)."""
-        self.ep = mesh.size(1)
-        self.group = mesh.get_group("ep")
-        self.replicas = mesh.get_group("ep_replicate") if mesh.size(0) > 1 else None
+        self.ep = mesh.ep
+        self.group = mesh.group
+        self.replicas = mesh.replicas
         self.dp = dp
         self.modules = check_experts(model, self.ep)
         self.params: list[nn.Parameter] = []
         """The experts' parameters (DTensors), which the data-parallel wrappers leave alone."""
         self.names: list[str] = []
-        rank = mesh.get_local_rank("ep")
+        rank = mesh.rank
         for path, module in self.modules.items():
             count = expert_count(path, module)
             local = count // self.ep
@@ -136,7 +137,7 @@ class ExpertParallel:
                         "build a model with experts normally under --ep."
                     )
                 mine = param.detach()[rank * local : (rank + 1) * local].to(device, copy=True)
-                shard = DTensor.from_local(mine, mesh, [Replicate(), Shard(0)], run_check=False)
+                shard = DTensor.from_local(mine, mesh.mesh, mesh.placements, run_check=False)
                 held = nn.Parameter(shard, requires_grad=param.requires_grad)
                 module.register_parameter(name, held)
                 self.params.append(held)

@@ -63,9 +63,7 @@ class MeshStrategy(Strategy):
         self.dp_mode = spec.dp_mode(config)
         """ddp (replicas), zero2 or zero3 (shards): how the data-parallel ranks sync."""
         self.mesh = parallel_mesh(self.degrees, topology.device.type)
-        self._expert_mesh = (
-            expert_mesh(self.degrees, topology.device.type) if self.degrees.ep_enabled else None
-        )
+        self._expert_mesh = expert_mesh(self.mesh) if self.degrees.ep_enabled else None
         self.experts: ExpertParallel | None = None
         """The experts split over --ep ranks (set up by `wrap`)."""
         self._balance: GlobalBalance | None = None
@@ -195,11 +193,11 @@ class MeshStrategy(Strategy):
         hooks.register(self.parts.local)
         if self.sequence is not None:
             self.sequence.check_model(model, self.labels, self.handover)
-        if d.tp_enabled and not d.dp_enabled:
-            # Layers the plan does not split keep plain tensors beside the DTensors; a
-            # script's own torch.nn.utils.clip_grad_norm_ (or any op) over both would be
-            # refused by DTensor. Those tensors are the same on every tensor-parallel rank,
-            # which is what implicit replication assumes.
+        if (d.tp_enabled and not d.dp_enabled) or (d.ep_enabled and self.shard is None):
+            # Layers the plan does not split (under ddp --ep: all but the experts) keep
+            # plain tensors beside the DTensors; a script's own clip_grad_norm_ (or any op)
+            # over both would be refused by DTensor. Those tensors are the same on every
+            # rank of the DTensors' mesh, which is what implicit replication assumes.
             self._context.enter_context(implicit_replication())
         find_unused = self.config.find_unused_parameters
         if isinstance(self.model, DistributedDataParallel) and not find_unused:
