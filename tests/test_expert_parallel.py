@@ -270,3 +270,10 @@ def test_experts_are_found_as_the_model_says() -> None:
         "model.layers.1.mlp.experts",
     ]
     assert experts_of(GPT(replace(CONFIG, experts=0))) == {}
+
+
+def test_a_balancing_loss_split_over_towers_is_refused() -> None:
+    engine = dtrain.init(strategy="towers", towers=2, cpu=True)
+    with pytest.raises(ConfigError, match=r"MixtralForCausalLM adds its load-balancing loss"):
+        engine.setup(mixtral())
+    engine.close()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.errors import ConfigError
 from dtrain.step.batches import Weight
 
 NAME = "load_balancing_loss_func"
@@ -84,3 +85,20 @@ class GlobalBalance:
         """Give the model's module its own function back."""
         if getattr(self.module, NAME, None) is self:
             setattr(self.module, NAME, self.own)
+
+
+def refuse_local_balance(model: nn.Module, strategy: str) -> None:
+    """A ConfigError for a Hugging Face MoE model that adds its load-balancing loss
+    (``output_router_logits``), under a strategy whose replicas, towers or micro-batches
+    would each compute it over their part of the step's batch only."""
+    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+        return
+    if not callable(getattr(sys.modules.get(type(model).__module__), NAME, None)):
+        return
+    raise ConfigError(
+        f"{type(model).__name__} adds its load-balancing loss (output_router_logits=True), "
+        f"which under strategy {strategy} each replica, tower or micro-batch would compute "
+        "over its own part of the batch: another balance than one process trains towards. "
+        "Use ddp, zero1, zero2, zero3 or hsdp without --cp (dtrain makes the loss the "
+        "global batch's there), or build the model with output_router_logits=False."
+    )

@@ -22,6 +22,7 @@ from dtrain.parallel import materialize
 from dtrain.parallel.build_record import BuildRecord
 from dtrain.parallel.clip import clip_grad_norm
 from dtrain.parallel.materialize import DeferredInit
+from dtrain.parallel.moe_balance import refuse_local_balance
 from dtrain.parallel.preparation import unwrap
 from dtrain.parallel.sync_batchnorm import warn_unsynced_batchnorm
 from dtrain.process.topology import Topology
@@ -124,8 +125,17 @@ class Strategy(CheckpointState):
             handover.pretrained,
         )
         self.labels = label_counter(model)
+        if self.splits_balance:
+            refuse_local_balance(model, self.name)
         self._note_unsynced_batchnorm(model)
         return self.wrap(model, optimizer)
+
+    @property
+    def splits_balance(self) -> bool:
+        """True if a mixture of experts' load-balancing loss, which the model computes
+        over the batch it is given, would be computed over parts of the step's batch
+        (data-parallel replicas, towers, micro-batches) and not made whole again."""
+        return self.placement.dp_size > 1 or self.placement.micro_splits > 1
 
     def _note_unsynced_batchnorm(self, model: nn.Module) -> None:
         """Warn, naming the layers, where BatchNorm would normalise each process's share of

@@ -123,6 +123,12 @@ class MeshStrategy(Strategy):
         )
 
     @property
+    def splits_balance(self) -> bool:
+        """A pipeline's micro-batches and a cut sequence split the balancing loss; over the
+        data-parallel ranks it is made the global batch's (`dtrain.parallel.moe_balance`)."""
+        return self.degrees.pp_enabled or self.degrees.cp_enabled
+
+    @property
     def pipeline(self) -> Pipeline | None:
         """The schedule over this rank's stages, under a pipeline."""
         return self.parts.pipeline if self.parts is not None else None
