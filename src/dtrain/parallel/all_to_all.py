@@ -90,7 +90,9 @@ def dispatch(
         recv = by_source.sum(1).tolist()
     rows = _AllToAll.apply(hidden[token], recv, send, group, timing)
     experts = torch.repeat_interleave(
-        torch.arange(local, device=hidden.device).repeat(ranks), by_source.reshape(-1)
+        torch.arange(local, device=hidden.device).repeat(ranks),
+        by_source.reshape(-1),
+        output_size=sum(recv),  # known on the host: no wait for the device
     )
     outputs = _AllToAll.apply(compute(rows, experts), send, recv, group, timing)
     weighted = outputs * top_k_weights.reshape(-1)[order, None].to(outputs.dtype)
