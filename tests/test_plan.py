@@ -320,6 +320,8 @@ def test_user_models_from_a_factory_and_a_script(
         (["--factory", "test_plan:tiny_factory"], 2, "--global-batch-size is needed"),
         (["--model", "mlp", "--model-size", "small"], 2, "--model-size applies to --model gpt"),
         (["--model", "mlp", "--link-gbps", "1"], 2, "--link-gbps and --link-latency-us go"),
+        (["--model", "mlp", "--experts", "4"], 2, "--experts applies to --model gpt only"),
+        (["--factory", "test_plan:tiny_factory", "--experts", "4"], 2, "drop --experts"),
     ],
 )
 def test_bad_input_gets_a_clear_error(
@@ -357,3 +359,99 @@ def test_layout_configs_match_the_strategies_checks() -> None:
         "pipeline", nproc=2, pp=2, microbatches=2, schedule="interleaved", virtual=2
     )
     assert "layers" in str(check(interleaved, 64, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))))
+
+
+def test_expert_parallel_layouts_need_experts_that_divide() -> None:
+    """ddp and zero3 --ep over every divisor of the world above 1; a dense model's are
+    refused with dtrain's reason, a MoE GPT's run where --ep divides its experts."""
+    from dtrain.models import build
+    from dtrain.plan.layouts import check
+
+    split = [layout for layout in enumerate_layouts(4, 1, 0) if layout.ep > 1]
+    assert sorted((layout.strategy, layout.ep) for layout in split) == [
+        ("ddp", 2), ("ddp", 4), ("zero3", 2), ("zero3", 4),
+    ]  # fmt: skip
+    assert all(f"--ep {layout.ep}" in layout.flags() for layout in split)
+    assert all(layout.config().ep == layout.ep for layout in split)
+    dense = build("gpt", None)
+    for layout in split:
+        assert "has no experts modules" in str(check(layout, 32, dense)), layout.flags()
+    moe = build("gpt", None, 4, 2)
+    for layout in split:
+        assert check(layout, 32, moe) is None, layout.flags()
+    assert "does not divide the 6 experts" in str(
+        check(Layout("zero3", nproc=4, ep=4), 32, build("gpt", None, 6, 2))
+    )
+
+
+def _moe_inputs() -> object:
+    """A hand-made calibration of a MoE model on 4 processes of 4 cores (no communication
+    hides behind compute), 1 GB/s links without latency: 1e6 parameters of which the
+    experts hold 3/4, 2 MoE layers routing 10 kB per sample."""
+    from dtrain.plan.calibrate import Calibration, StepTime
+    from dtrain.plan.inputs import Inputs
+    from dtrain.plan.machine import Machine
+    from dtrain.plan.weigh import ModelFigures
+
+    figures = ModelFigures(
+        params=10**6, param_tensors=2, param_bytes=4 * 10**6, grad_bytes=4 * 10**6,
+        optimizer_bytes=8 * 10**6, activation_bytes_per_sample=1e3, flops_per_sample=None,
+        tensor_bytes=[10**6, 3 * 10**6], unit_bytes=[2 * 10**6, 2 * 10**6],
+        expert_bytes=3 * 10**6, moe_layers=2, routed_bytes_per_sample=1e4,
+    )  # fmt: skip
+    calibration = Calibration("cpu", figures)
+    calibration.steps = {
+        (b, 1, shared): StepTime(0.01, 0.02, 0.004) for b in (16, 64) for shared in (True, False)
+    }
+    machine = Machine(4, 0, 1, 2**40, threads_per_process=1)
+    return Inputs(calibration, given(4, 1.0, 0.0), machine, 64, None)
+
+
+def test_expert_parallel_estimates_hold_the_experts_at_one_ep_th() -> None:
+    from dtrain.plan.estimate import estimate
+
+    inputs = _moe_inputs()
+    whole = estimate(inputs, Layout("zero3", nproc=4))  # type: ignore[arg-type]
+    split = estimate(inputs, Layout("zero3", nproc=4, ep=2))  # type: ignore[arg-type]
+    # States: zero3's (P + G + O)/4 = 16 MB / 4; under --ep 2 the quarter outside the
+    # experts as zero3 holds it, 4 MB / 4, and the experts' 12 MB at 1/2.
+    assert whole.model_state_bytes == 4e6
+    assert math.isclose(split.model_state_bytes, 1e6 + 6e6)
+    assert math.isclose(costs.expert_model_states(4e6, 4e6, 8e6, 0.75, 2), 6e6)
+    # Traffic, at (n-1)/n S / B per all-gather or reduce-scatter of S over n ranks: each
+    # unit gathered twice and scattered once, 3 x 3/4 x 4 MB / 1 GB/s without --ep, a
+    # quarter of it with; + per MoE layer 4 all-to-alls of 16 samples x 10 kB over 2
+    # ranks (1/2 of it leaves), + the experts' 1.5 MB all-reduced over their 2 replicas.
+    assert math.isclose(whole.communication_seconds, 9e-3)
+    rows = 2 * 4 * 0.5 * 16 * 1e4 / 1e9
+    assert math.isclose(split.communication_seconds, 9e-3 / 4 + rows + 1.5e6 / 1e9)
+    # The optimizer steps a quarter over 4 shards and the experts at 1/2.
+    assert math.isclose(split.optimizer_seconds, 0.004 * (0.25 / 4 + 0.75 / 2))
+    # ddp: DDP's buckets hold the quarter outside the experts; --ep 4 = the world: the
+    # experts have no replicas to all-reduce with, only the all-to-alls (3/4 leaves).
+    ddp = estimate(inputs, Layout("ddp", nproc=4, ep=4))  # type: ignore[arg-type]
+    assert math.isclose(ddp.model_state_bytes, 4e6 + 12e6 / 4)
+    assert math.isclose(ddp.buffer_bytes, 1e6)
+    buckets = sum(costs.ring_allreduce_bytes(b, 4) for b in costs.ddp_buckets(1e6)) / 1e9
+    assert math.isclose(ddp.communication_seconds, buckets + 2 * 4 * 0.75 * 16 * 1e4 / 1e9)
+
+
+def test_weighing_measures_the_experts_and_their_routed_rows() -> None:
+    from dtrain.models import build
+    from dtrain.models.recipes import TASKS
+    from dtrain.plan.source import Workload
+    from dtrain.plan.weigh import weigh
+
+    model = build("gpt", None, 4, 2)
+    tokens = torch.randint(0, model.config.vocab_size, (3, model.config.context))
+    work = Workload("gpt", model, tokens, tokens, TASKS["gpt"].loss, "adamw", True)
+    figures = weigh(work, model, torch.device("cpu"), 3)
+    experts = [model.blocks[i].mlp.experts for i in range(model.config.layers)]
+    assert figures.moe_layers == model.config.layers == 2
+    assert figures.expert_bytes == 4 * sum(p.numel() for e in experts for p in e.parameters())
+    # Every token of a sample goes to top-k = 2 experts, a row of dim fp32 values each.
+    assert figures.routed_bytes_per_sample == model.config.context * 2 * model.config.dim * 4
+    dense = build("gpt", None)
+    work = Workload("gpt", dense, tokens, tokens, TASKS["gpt"].loss, "adamw", True)
+    figures = weigh(work, dense, torch.device("cpu"), 3)
+    assert (figures.expert_bytes, figures.moe_layers, figures.routed_bytes_per_sample) == (0, 0, 0)

@@ -31,7 +31,11 @@ from dtrain.plan.source import Source, Workload, load_source
 
 def source_of(args: argparse.Namespace) -> Source:
     """The workload the flags name."""
-    return Source(args.model, args.model_size, args.script, args.factory, args.optimizer)
+    experts = args.experts or None  # a dense model's flags name no experts
+    top_k = args.top_k if experts else None
+    return Source(
+        args.model, args.model_size, args.script, args.factory, args.optimizer, experts, top_k
+    )
 
 
 def global_batch(args: argparse.Namespace, work: Workload) -> int:
@@ -182,6 +186,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     prefix = None
     if work.bundled:
         size = f" --model-size {args.model_size}" if args.model_size else ""
+        if args.experts:
+            size += f" --experts {args.experts} --top-k {args.top_k}"
         prefix = (
             f"dtrain demo --model {args.model or 'cnn'}{size} --optimizer {work.optimizer} "
             f"--global-batch-size {batch}"

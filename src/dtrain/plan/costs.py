@@ -232,6 +232,26 @@ def context_kv_messages(activation_bytes: float, units: int) -> list[float]:
     return [CONTEXT_KV_SHARE * activation_bytes / (2 * units)] * (2 * units)
 
 
+EXPERT_ALL_TO_ALLS = 4
+"""All-to-alls of routed rows per MoE layer per step under --ep: forward sends each row to
+its expert's rank and the output back; backward sends their gradients the same two ways
+(`dtrain.parallel.all_to_all`)."""
+
+
+def expert_share(expert_bytes: float, param_bytes: float) -> float:
+    """The experts' share s = E / P of the parameter bytes (0 for a dense model): under
+    --ep the data-parallel wrappers hold and send only the other 1 - s."""
+    return expert_bytes / param_bytes if param_bytes > 0 else 0.0
+
+
+def expert_model_states(params: float, grads: float, optim: float, share: float, ep: int) -> float:
+    """Model-state bytes per rank of the experts under --ep over `ep` ranks: their
+    parameters, gradients and optimizer state (the `share` s of each; the optimizer's
+    state is per parameter value), held at 1/ep on every rank and sharded no further by
+    FSDP: s (P + G + O) / ep."""
+    return share * (params + grads + optim) / ep
+
+
 def samples_per_second(global_batch: int, step_seconds: float) -> float:
     """Throughput of a step of `global_batch` samples."""
     return global_batch / step_seconds if step_seconds > 0 else math.inf

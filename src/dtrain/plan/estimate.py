@@ -82,13 +82,17 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     --grad-compression fp16/bf16 halves the all-reduced bytes (under --hierarchical those
     between machines); PowerSGD all-reduces `costs.powersgd_values` in three all-reduces
     a bucket (the values sent whole, then the P and the Q factors) and computes its
-    factors (`_powersgd_seconds`)."""
+    factors (`_powersgd_seconds`). Under --ep DDP holds and buckets only the parameters
+    outside the experts; the experts' states are held at 1/ep (`_expert_states`), their
+    share of the optimizer step runs at 1/ep, their traffic is `_experts`."""
     f = inputs.calibration.figures
     n = layout.world
     b = inputs.global_batch / n
     s = inputs.step(b, layout.processes_per_node, layout.cp)
     kind, rank = grad_compression(layout.grad_compression)
-    sizes = costs.ddp_buckets(f.grad_bytes)
+    split = _expert_share(inputs, layout)
+    dense = 1 - split
+    sizes = costs.ddp_buckets(dense * f.grad_bytes)
     extra = buffers = 0.0
     if kind == "powersgd":
         value = f.grad_bytes / max(f.params, 1)
@@ -103,15 +107,16 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
         cast = costs.cast_bytes_factor(kind)
         buckets = [inputs.allreduce(size, n, layout, cast=cast) for size in sizes]
     comm = overlapped(inputs, layout, buckets, s.backward) + _context(inputs, layout, b)
-    optimizer = s.optimizer
+    comm += _experts(inputs, layout, b)
+    optimizer = s.optimizer * (dense + split / layout.ep)
     stage = 0
     if layout.strategy == "zero1":
         stage = 1
         optimizer /= n
         comm += sum(inputs.collective("broadcast", size, n, layout) for size in f.tensor_bytes)
     states = costs.zero_model_states(
-        f.param_bytes, f.grad_bytes, f.optimizer_bytes, n, stage, ddp_buckets=False
-    )
+        dense * f.param_bytes, dense * f.grad_bytes, dense * f.optimizer_bytes, n, stage, False
+    ) + _expert_states(inputs, layout)
     if stage == 1:  # whole tensors per rank: the fullest holds more than 1/N of the state
         share = costs.greedy_partition_share([float(x) for x in f.tensor_bytes], n)
         states += f.optimizer_bytes * (share - 1 / n)
@@ -119,7 +124,7 @@ def _data_parallel(inputs: Inputs, layout: Layout) -> Estimate:
         layout, b, s.data, s.compute, comm, optimizer, 0.0, states, activation_bytes(inputs, b),
         wait_seconds=inputs.jitter_wait(n, s.compute),
         overhead_seconds=inputs.overhead("ddp") + extra,
-        buffer_bytes=f.grad_bytes + buffers,  # DDP's gradient buckets at the peak of backward
+        buffer_bytes=dense * f.grad_bytes + buffers,  # DDP's buckets at the peak of backward
     )  # fmt: skip
 
 
@@ -137,7 +142,11 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
     """zero2, zero3, hsdp (FSDP2, unit by unit): forward all-gathers each unit (prefetched
     during the previous unit's forward); backward reduce-scatters each unit's gradients
     (and zero3 all-gathers the unit again first: 1.5x the traffic). hsdp's fp16/bf16
-    --grad-compression is FSDP2's reduce dtype: every gradient reduction sends half."""
+    --grad-compression is FSDP2's reduce dtype: every gradient reduction sends half. Under
+    --ep FSDP2 gathers, scatters and shards only the parameters outside the experts (each
+    unit's bytes scaled by their share); the experts' states are held at 1/ep
+    (`_expert_states`), their share of the optimizer step runs at 1/ep, their traffic is
+    `_experts`."""
     f = inputs.calibration.figures
     cast = costs.cast_bytes_factor(layout.grad_compression)
     n = layout.world
@@ -155,14 +164,20 @@ def _sharded(inputs: Inputs, layout: Layout) -> Estimate:
             seconds += inputs.allreduce(size / shard, n // shard, layout, shard, cast)
         return seconds
 
-    units = f.unit_bytes
+    split = _expert_share(inputs, layout)
+    dense = 1 - split
+    units = [dense * u for u in f.unit_bytes]
     forward = [gather(u) for u in units]
     backward = [(gather(u) if stage == 3 else 0.0) + scatter(u) for u in reversed(units)]
     comm = forward[0] + overlapped(inputs, layout, forward[1:], s.forward)
     comm += overlapped(inputs, layout, backward, s.backward) + _context(inputs, layout, b)
-    states = costs.zero_model_states(f.param_bytes, f.grad_bytes, f.optimizer_bytes, shard, stage)
+    comm += _experts(inputs, layout, b)
+    states = costs.zero_model_states(
+        dense * f.param_bytes, dense * f.grad_bytes, dense * f.optimizer_bytes, shard, stage
+    ) + _expert_states(inputs, layout)
+    optimizer = s.optimizer * (dense / shard + split / layout.ep)
     return Estimate(
-        layout, b, s.data, s.compute, comm, s.optimizer / shard, 0.0, states,
+        layout, b, s.data, s.compute, comm, optimizer, 0.0, states,
         activation_bytes(inputs, b), wait_seconds=inputs.jitter_wait(n, s.compute),
         overhead_seconds=inputs.overhead("zero2" if stage == 2 else "zero3"),
     )  # fmt: skip
@@ -185,6 +200,44 @@ def _context(inputs: Inputs, layout: Layout, batch: float) -> float:
         + inputs.collective("reduce_scatter", size, cp, layout)
         for size in costs.context_kv_messages(whole, len(f.unit_bytes))
     )
+
+
+def _expert_share(inputs: Inputs, layout: Layout) -> float:
+    """The share of the parameters that --ep takes from the data-parallel wrapper (the
+    experts', `costs.expert_share`); 0 without --ep."""
+    f = inputs.calibration.figures
+    return costs.expert_share(f.expert_bytes, f.param_bytes) if layout.ep > 1 else 0.0
+
+
+def _expert_states(inputs: Inputs, layout: Layout) -> float:
+    """The experts' model states per rank under --ep, at 1/ep (`costs.expert_model_states`;
+    0 without --ep)."""
+    f = inputs.calibration.figures
+    share = _expert_share(inputs, layout)
+    return costs.expert_model_states(
+        f.param_bytes, f.grad_bytes, f.optimizer_bytes, share, layout.ep
+    )
+
+
+def _experts(inputs: Inputs, layout: Layout, batch: float) -> float:
+    """--ep's communication in a step, none of it hidden (each MoE layer waits for its
+    rows): per MoE layer, one all-to-all of the experts' counts (its latency) and
+    `costs.EXPERT_ALL_TO_ALLS` all-to-alls of the rows this rank's `batch` samples route,
+    over the ep ranks (each priced as an all-gather of as many bytes: every rank sends
+    them all, its own experts' share to itself); then, after backward, the experts'
+    gradients (1/ep of them per rank) all-reduced over the world / ep ranks holding the
+    same experts, ep apart (none when ep is the world)."""
+    ep = layout.ep
+    if ep == 1:
+        return 0.0
+    f = inputs.calibration.figures
+    rows = inputs.collective("all_gather", f.routed_bytes_per_sample * batch, ep, layout)
+    counts = inputs.collective("all_gather", 0, ep, layout)
+    seconds = f.moe_layers * (counts + costs.EXPERT_ALL_TO_ALLS * rows)
+    replicas = layout.world // ep
+    if replicas > 1:
+        seconds += inputs.allreduce(f.expert_bytes / ep, replicas, layout, stride=ep)
+    return seconds
 
 
 def _local_sgd(inputs: Inputs, layout: Layout) -> Estimate:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dtrain.command_names import GPT_SIZES, MODELS, OPTIMIZERS
+from dtrain.demo.flags import add_expert_args
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -12,6 +13,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("model (one of)")
     what.add_argument("--model", default=None, choices=MODELS, help="A bundled model.")
     what.add_argument("--model-size", default=None, choices=GPT_SIZES, help="Size of --model gpt.")
+    add_expert_args(what)
     what.add_argument(
         "--script",
         default=None,

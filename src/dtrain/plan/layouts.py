@@ -4,11 +4,13 @@ Candidates: single; towers (one process, N replicas); ddp; zero1/2/3; ps with K 
 pipeline over every stage count the world allows, under gpipe, 1f1b and interleaved
 (where the layers and micro-batches allow) with a few micro-batch counts; tensor; hybrid
 (every dp x pp x tp with at least two of them above 1); ddp and zero3 with the sequence
-cut over every --cp the world allows; hierarchical ddp and hsdp across machines. A layout
+cut over every --cp the world allows; ddp and zero3 with each MoE layer's experts split
+over every --ep the world allows; hierarchical ddp and hsdp across machines. A layout
 is kept only if dtrain itself would run it: its flags make a valid Config, the strategy's
 own launch checks pass, the global batch divides, and the model can be split that way
-(pipeline_layers(), tensor_parallel_plan(degree), position_ids for --cp). The reason
-for leaving each other one out is kept for the report.
+(pipeline_layers(), tensor_parallel_plan(degree), position_ids for --cp, experts modules
+whose experts --ep divides). The reason for leaving each other one out is kept for the
+report.
 
 `inexact_layouts` adds the layouts that send fewer bytes by changing the training:
 --grad-compression (a 16-bit cast under ddp, zero1, hierarchical ddp and hsdp; PowerSGD
@@ -52,6 +54,8 @@ class Layout:
     tp: int = 1
     cp: int = 1
     """Context-parallel ranks sharing each sample (ddp, zero3)."""
+    ep: int = 1
+    """Expert-parallel ranks splitting each MoE layer's experts (ddp, zero3)."""
     microbatches: int = 1
     schedule: str = ""
     virtual: int = 1
@@ -140,6 +144,8 @@ class Layout:
             out.append(f"--servers {self.servers}")
         if self.cp > 1:
             out.append(f"--cp {self.cp}")
+        if self.ep > 1:
+            out.append(f"--ep {self.ep}")
         if self.strategy == "hybrid":
             out.append(f"--dp {self.dp} --pp {self.pp} --tp {self.tp}")
         elif self.strategy == "pipeline":
@@ -169,6 +175,8 @@ class Layout:
             options |= {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer}
         if self.cp > 1:
             options["cp"] = self.cp
+        if self.ep > 1:
+            options["ep"] = self.ep
         if self.strategy == "hybrid":
             options |= {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         elif self.strategy == "pipeline":
@@ -210,6 +218,8 @@ def enumerate_layouts(nproc: int, nnodes: int, gpus: int) -> list[Layout]:
         out.append(Layout(name, nproc=nproc, nnodes=nnodes))
     for cp in _divisors(world)[1:]:
         out += [Layout(name, nproc=nproc, nnodes=nnodes, cp=cp) for name in ("ddp", "zero3")]
+    for ep in _divisors(world)[1:]:
+        out += [Layout(name, nproc=nproc, nnodes=nnodes, ep=ep) for name in ("ddp", "zero3")]
     if nnodes > 1:
         out.append(Layout("ddp", nproc=nproc, nnodes=nnodes, hierarchical=True))
         if nproc > 1:
@@ -258,6 +268,7 @@ def inexact_layouts(nproc: int, nnodes: int, half: str) -> list[Layout]:
 def check(layout: Layout, global_batch: int, model: object) -> str | None:
     """Why dtrain would refuse `layout` for this batch and model, or None if it runs."""
     from dtrain.parallel.context_parallel import check_positions
+    from dtrain.parallel.expert_parallel import check_experts
     from dtrain.parallel.split import layers_of, split_layers
     from dtrain.parallel.tensor_plan import plan_of
     from dtrain.step.batches import check_batch
@@ -275,6 +286,8 @@ def check(layout: Layout, global_batch: int, model: object) -> str | None:
             plan_of(model, layout.tp)  # type: ignore[arg-type]
         if layout.cp > 1:
             check_positions(model, layout.cp)  # type: ignore[arg-type]
+        if layout.ep > 1:
+            check_experts(model, layout.ep)  # type: ignore[arg-type]
     except ConfigError as e:
         return str(e)
     return None

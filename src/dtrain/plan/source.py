@@ -70,6 +70,10 @@ class Source:
     script: str | None = None
     factory: str | None = None
     optimizer: str | None = None
+    experts: int | None = None
+    """The bundled GPT's experts per MLP (`--experts`); None for a dense model."""
+    top_k: int | None = None
+    """Experts each token goes to (`--top-k`), with `experts`."""
 
     def args(self) -> list[str]:
         """The flags, for `describe_args`."""
@@ -77,7 +81,8 @@ class Source:
 
 
 def describe_args(words: list[str]) -> Source:
-    """The Source that `Source.args` wrote."""
+    """The Source that `Source.args` wrote (every value as text: `load_source` reads the
+    numbers back)."""
     return Source(**dict(w.split("=", 1) for w in words))  # type: ignore[arg-type]
 
 
@@ -89,23 +94,34 @@ def load_source(source: Source) -> Workload:
             f"Give one model: --{given[0]} and --{given[1]} were both given; pick one of "
             "--model, --script and --factory."
         )
+    if source.experts and not source.model:
+        raise ConfigError(
+            "--experts builds the bundled GPT's mixture-of-experts MLPs (with --model gpt); a "
+            "--script or --factory model brings its own experts: drop --experts."
+        )
     if source.factory:
         return from_factory(source.factory, source.optimizer)
     if source.script:
         return from_script(source.script, source.optimizer)
-    return bundled(source.model or "cnn", source.model_size, source.optimizer)
+    experts, top_k = int(source.experts or 0), int(source.top_k or 2)
+    return bundled(source.model or "cnn", source.model_size, source.optimizer, experts, top_k)
 
 
-def bundled(name: str, size: str | None, optimizer: str | None) -> Workload:
-    """The demo's model `name` with a batch of its real training data."""
+def bundled(
+    name: str, size: str | None, optimizer: str | None, experts: int = 0, top_k: int = 2
+) -> Workload:
+    """The demo's model `name` with a batch of its real training data (gpt: with
+    `experts`, each block's MLP a mixture of that many experts, `top_k` per token)."""
     from dtrain.models import build
     from dtrain.models.recipes import TASKS
 
-    model = build(name, size)
+    model = build(name, size, experts, top_k)
     task = TASKS[name]
     train, _ = task.data(model)
     inputs, targets = train[: min(len(train), 256)]
     label = f"{name} {size or 'tiny'}" if name == "gpt" else name
+    if experts:
+        label += f", {experts} experts top-{top_k}"
     return Workload(
         label, model, inputs, targets, task.loss, optimizer or task.optimizer, True, train
     )

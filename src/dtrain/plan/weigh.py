@@ -1,5 +1,5 @@
-"""What the model weighs, measured once: bytes, FLOPs, its FSDP units, and the share of
-each layer of its pipeline chain and of its tensor-parallel plan.
+"""What the model weighs, measured once: bytes, FLOPs, its FSDP units, the share of each
+layer of its pipeline chain and of its tensor-parallel plan, and its experts.
 
 - bytes: parameters, gradients (fp32, as dtrain trains by default), the optimizer's state
   after one real step of the chosen optimizer, and the activations autograd saves for
@@ -8,6 +8,9 @@ each layer of its pipeline chain and of its tensor-parallel plan.
   activations, and its output's bytes (what a stage boundary sends);
 - the tensor-parallel plan: its layers' share of the time and of the parameters, and the
   activations each one all-reduces;
+- the experts modules (`dtrain.parallel.expert_parallel.experts_of`): their parameter
+  bytes, and the bytes of the rows each MoE layer routes per sample (what --ep sends to
+  the experts' ranks), read off the forward that measures the activations;
 - FLOPs per sample (`torch.utils.flop_counter.FlopCounterMode`).
 """
 
@@ -70,11 +73,20 @@ class ModelFigures:
     buffer_bytes: int = 0
     """Bytes of the floating-point buffers (BatchNorm's running statistics), which a
     local-sgd sync averages with the parameters."""
+    expert_bytes: int = 0
+    """Trainable parameter bytes of the experts modules (`experts_of`); 0 for a dense
+    model."""
+    moe_layers: int = 0
+    """How many experts modules (mixture-of-experts layers) the model has."""
+    routed_bytes_per_sample: float = 0.0
+    """Bytes of the rows one MoE layer routes per sample (tokens x top-k rows of its
+    width), averaged over the layers: what --ep's all-to-alls send each way."""
 
 
 def weigh(work: Workload, model: nn.Module, device: torch.device, batch: int) -> ModelFigures:
-    """Bytes, FLOPs, blocks and the per-layer figures of `model`."""
+    """Bytes, FLOPs, blocks, the per-layer figures and the experts' figures of `model`."""
     from dtrain.parallel.blocks import find_blocks
+    from dtrain.parallel.expert_parallel import experts_of
 
     params = [p for p in model.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -94,7 +106,15 @@ def weigh(work: Workload, model: nn.Module, device: torch.device, batch: int) ->
         for b in find_blocks(model)
     ]
     layers = _chain(model)
-    saved, per_layer, outputs, times = _forward_figures(work, model, layers, batch, device)
+    experts = list(experts_of(model).values())
+    routed: list[float] = []
+    handles = [m.register_forward_hook(_count_routed(routed), with_kwargs=True) for m in experts]
+    try:
+        saved, per_layer, outputs, times = _forward_figures(work, model, layers, batch, device)
+    finally:
+        for h in handles:
+            h.remove()
+    expert_params = {id(p): p for m in experts for p in m.parameters() if p.requires_grad}
     total_time = sum(times) or 1.0
     total_saved = sum(per_layer) or 1.0
     chain = None
@@ -124,7 +144,25 @@ def weigh(work: Workload, model: nn.Module, device: torch.device, batch: int) ->
         buffer_bytes=sum(
             b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point()
         ),
+        expert_bytes=sum(p.numel() * p.element_size() for p in expert_params.values()),
+        moe_layers=len(experts),
+        routed_bytes_per_sample=sum(routed) / max(len(routed), 1) / batch,
     )
+
+
+def _count_routed(routed: list[float]) -> Callable[..., None]:
+    """A forward hook (with kwargs) for an experts module, called as ``experts(hidden
+    (T, dim), top_k_index (T, K), top_k_weights)``: appends to `routed` the bytes of the
+    rows it was sent, T x K rows of dim values."""
+
+    def hook(
+        _m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], _out: object
+    ) -> None:
+        hidden, index = [*args, *kwargs.values()][:2]
+        assert isinstance(hidden, torch.Tensor) and isinstance(index, torch.Tensor)
+        routed.append(index.numel() * hidden.shape[-1] * hidden.element_size())
+
+    return hook
 
 
 def _chain(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
