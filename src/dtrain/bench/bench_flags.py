@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dtrain.command_names import GPT_SIZES, MODELS, OPTIMIZERS, STRATEGY_ALIASES, check_strategy
 from dtrain.config import Config
+from dtrain.demo.flags import add_expert_args
 from dtrain.errors import ConfigError
 
 DEFAULT_STEPS = 30
@@ -39,6 +40,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     model = parser.add_argument_group("bundled model (as `dtrain demo`)")
     model.add_argument("--model-size", default=None, choices=GPT_SIZES, help="Size of --model gpt.")
+    add_expert_args(model)
     model.add_argument(
         "--global-batch-size",
         type=int,
@@ -209,6 +211,7 @@ def check_args(args: argparse.Namespace) -> None:
             flag
             for flag, value in (
                 ("--model-size", args.model_size),
+                ("--experts", args.experts or None),
                 ("--global-batch-size", args.global_batch_size),
                 ("--optimizer", args.optimizer),
                 ("--steps", args.steps),

@@ -67,6 +67,8 @@ class Workload:
         flags = ["--model", model, "--steps", str(args.steps or DEFAULT_STEPS)]
         for flag, value in (
             ("--model-size", args.model_size),
+            ("--experts", args.experts or None),
+            ("--top-k", args.top_k if args.experts else None),
             ("--global-batch-size", args.global_batch_size),
             ("--optimizer", args.optimizer),
         ):
