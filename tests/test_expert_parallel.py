@@ -57,8 +57,10 @@ class Labelled(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def mixtral() -> torch.nn.Module:
-    """A tiny Hugging Face Mixtral: 4 experts, top-2, its load-balancing loss on."""
+def mixtral(starved: bool = False) -> torch.nn.Module:
+    """A tiny Hugging Face Mixtral: 4 experts, top-2, its load-balancing loss on. With
+    `starved`: top-1 and its own loop over the experts ("eager", which skips an expert
+    without tokens), the routers never choosing experts 2 and 3."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -69,29 +71,38 @@ def mixtral() -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         num_local_experts=4,
-        num_experts_per_tok=2,
+        num_experts_per_tok=1 if starved else 2,
         max_position_embeddings=LENGTH,
-        output_router_logits=True,
+        output_router_logits=not starved,
         router_aux_loss_coef=0.02,
         use_cache=False,
     )
-    return MixtralForCausalLM(config)
+    model = MixtralForCausalLM(config)
+    if starved:
+        model.set_experts_implementation("eager")
+        for layer in model.model.layers:
+            with torch.no_grad():  # scores a.x, -a.x, 0, 0: expert 0 or 1 always wins
+                weight = layer.mlp.gate.weight
+                weight[1], weight[2:] = -weight[0], 0.0
+    return model
 
 
 def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model's parameters after STEPS AdamW steps on global batches of 8 under
     `layout` (saved as a checkpoint under its "save" path, if it names one). With
-    "by_hand": the habits of a loop written by hand (below)."""
+    "by_hand": the habits of a loop written by hand (below); model "starved": a Mixtral
+    whose router never picks the experts of the second half (ep rank 1's)."""
     layout = dict(layout)
     by_hand = layout.pop("by_hand", False)
     save = layout.pop("save", None)
     load = layout.pop("load", None)
     folder = layout.pop("save_pretrained", None)
     count = layout.pop("count_collectives", False)
-    hf = layout.pop("model", "gpt") == "mixtral"
+    kind = layout.pop("model", "gpt")
+    hf = kind in ("mixtral", "starved")
     engine = dtrain.init(seed=0, cpu=True, **layout)
     torch.manual_seed(0)
-    model = mixtral() if hf else GPT(CONFIG)
+    model = mixtral(starved=kind == "starved") if hf else GPT(CONFIG)
     if by_hand:  # a layer's experts frozen, the rest under a schedule
         model.blocks[0].mlp.experts.requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -115,7 +126,11 @@ def trained(layout: dict[str, Any]) -> dict[str, torch.Tensor]:
         loader = engine.dataloader(data, global_batch_size=8)
         for _, (inputs, targets) in zip(range(STEPS), loader, strict=False):
             optimizer.zero_grad()
-            engine.backward(lm_loss(model(inputs), targets))
+            # Two halves accumulated without no_sync: one through engine.backward, one
+            # through a plain backward (the experts' gradients are reduced either way).
+            half = len(inputs) // 2
+            engine.backward(lm_loss(model(inputs[:half]), targets[:half]) / 2)
+            (lm_loss(model(inputs[half:]), targets[half:]) / 2).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # torch's own, by hand
             optimizer.step()
             schedule.step()
@@ -162,12 +177,17 @@ LAYOUTS_AT_2: list[dict[str, Any]] = [
     {"strategy": "ddp", "model": "mixtral"},
     {"strategy": "ddp", "ep": 2, "model": "mixtral", "save_pretrained": "ddp"},
     {"strategy": "zero3", "ep": 2, "model": "mixtral", "save_pretrained": "zero3"},
+    # No token reaches rank 1's experts: its forward skips them, its backward still runs
+    # both exchanges (else every rank would wait in backward).
+    {"strategy": "ddp", "ep": 2, "model": "starved"},
 ]
 
 
 @pytest.mark.timeout(600)
 def test_experts_split_over_ranks_train_as_single(tmp_path: Path) -> None:
-    expected = {model: trained({"strategy": "single", "model": model}) for model in MODELS}
+    expected = {
+        model: trained({"strategy": "single", "model": model}) for model in (*MODELS, "starved")
+    }
     expected["accumulated"] = trained({"strategy": "single", "grad_accumulation": 2})
     expected["by_hand"] = trained({"strategy": "single", "by_hand": True})
     at_two = [
@@ -235,8 +255,21 @@ def setup_refusals() -> list[str]:
     return said
 
 
+def accumulation_refusal() -> str:
+    """What ddp says at setup to a model adding its balancing loss, with micro-batches
+    accumulated over two ranks."""
+    engine = dtrain.init(strategy="ddp", grad_accumulation=2, cpu=True)
+    with pytest.raises(ConfigError) as refused:
+        engine.setup(mixtral())
+    engine.close()
+    return str(refused.value)
+
+
 @pytest.mark.timeout(120)
 def test_models_expert_parallelism_cannot_split_are_refused_at_setup() -> None:
+    said = run_ranks(accumulation_refusal, 2, timeout=100)[0]
+    assert "MixtralForCausalLM adds its load-balancing loss" in said
+    assert "without --grad-accumulation" in said
     said = run_ranks(setup_refusals, 2, timeout=100)
     assert said[0] == said[1]
     dense, compiled, meta = said[0]
@@ -257,6 +290,19 @@ def test_what_cannot_be_split_is_refused_by_name() -> None:
         lookup("zero3").layout(Config(strategy="zero3", ep=4), 2)  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match=r"--ep 4 does not divide the 6 experts of 'blocks.0"):
         check_experts(GPT(replace(CONFIG, experts=6)), 4)
+    wrong = GPT(CONFIG)
+    wrong.expert_parallel_plan = lambda: ["blocks.*.mlp"]  # the router and experts together
+    with pytest.raises(ConfigError, match=r"it holds router.weight, experts.up, experts.down"):
+        check_experts(wrong, 2)
+    buffered = GPT(CONFIG)
+    buffered.blocks[0].mlp.experts.register_buffer("scale", torch.ones(4))
+    with pytest.raises(ConfigError, match=r"holds scale in modules inside it or as buffers"):
+        check_experts(buffered, 2)
+    called = GPT(CONFIG)
+    called.expert_parallel_plan = lambda: ["blocks.*.mlp.experts"]
+    called.blocks[0].mlp.experts.forward = lambda hidden: hidden  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match=r"but its forward takes \(hidden\)"):
+        check_experts(called, 2)
     with pytest.raises(ValueError, match=r"--top-k 5 routes each token to that many of the 4"):
         GPT(replace(CONFIG, top_k=5))
     with pytest.raises(ValueError, match=r"place the experts over ranks with --ep instead"):

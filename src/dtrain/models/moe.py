@@ -46,7 +46,8 @@ class Experts(nn.Module):
         for e in range(self.num_experts):
             token, slot = torch.where(top_k_index == e)
             y = F.gelu(hidden[token] @ self.up[e].T) @ self.down[e].T
-            out.index_add_(0, token, y * top_k_weights[token, slot, None].to(y.dtype))
+            y = y * top_k_weights[token, slot, None].to(y.dtype)
+            out.index_add_(0, token, y.to(out.dtype))  # bf16 under autocast
         return out
 
 

@@ -21,8 +21,9 @@ batch's mean as for every other parameter.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,7 +62,28 @@ def experts_of(model: nn.Module) -> dict[str, nn.Module]:
 
 def expert_count(name: str, module: nn.Module) -> int:
     """The experts `module` stacks: the first dimension its parameters share; a
-    ConfigError names a module not laid out that way."""
+    ConfigError names a module not laid out that way (parameters of different first
+    dimensions, held by a module inside it, buffers, a forward that does not take the
+    tokens with their chosen experts and weights)."""
+    inner = [n for n, _ in module.named_parameters() if "." in n]
+    buffers = [n for n, _ in module.named_buffers()]
+    if inner or buffers:
+        raise ConfigError(
+            f"Expert parallelism splits the experts module '{name}' by its own parameters, "
+            f"but it holds {', '.join((inner + buffers)[:3])} in modules inside it or as "
+            "buffers, which would stay whole; keep every expert tensor a parameter of the "
+            f"experts module itself, or leave '{name}' out of the model's "
+            "expert_parallel_plan()."
+        )
+    try:
+        inspect.signature(module.forward).bind(None, None, None)
+    except TypeError:
+        raise ConfigError(
+            f"Expert parallelism calls the experts module '{name}' as experts(hidden, "
+            "top_k_index, top_k_weights), but its forward takes "
+            f"{inspect.signature(module.forward)}; name the module that takes the routed "
+            "tokens in the model's expert_parallel_plan()."
+        ) from None
     dims = {p.shape[0] if p.dim() else 0 for p in module.parameters()}
     if len(dims) != 1 or 0 in dims:
         raise ConfigError(
@@ -145,15 +167,19 @@ class ExpertParallel:
             module.forward = self._forward_of(module, count)  # type: ignore[method-assign]
 
     def _forward_of(self, module: nn.Module, count: int) -> Any:
-        own = type(module).forward.__get__(module)
+        own = module.forward  # its own (or one the script set on it), before the wrap
 
         def forward(
             hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
         ) -> torch.Tensor:
             def compute(rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-                with _holding_local(module, count // self.ep) as dtype:
+                with _holding_local(module, count // self.ep, rows.dtype, self._reduce) as held:
                     ones = top_k_weights.new_ones(rows.shape[0], 1)
-                    return own(rows.to(dtype), experts[:, None], ones).to(rows.dtype)
+                    out = own(rows, experts[:, None], ones)
+                    # Tied to the rows and the experts even where no token came (a module
+                    # may skip experts it has no tokens for): every rank then runs both
+                    # exchanges' backward and reduces its experts' gradients.
+                    return out + sum((t[:0].sum() for t in (rows, *held)), out.new_zeros(()))
 
             return dispatch(
                 hidden, top_k_index, top_k_weights, count, self.group, compute, self.timing
@@ -161,21 +187,16 @@ class ExpertParallel:
 
         return forward
 
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """The experts' gradients made the whole batch's (after a synchronising backward):
-        summed over the ranks holding the same experts, divided by the data-parallel ranks
-        (each rank's loss is the mean over its share). An expert that no token reached on
-        this rank gets a zero gradient, as the stacked parameter has in one process."""
-        for param in self.params:
-            if not param.requires_grad:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grad = param.grad.to_local()  # type: ignore[union-attr]
-            grad.div_(self.dp)
-            if self.replicas is not None:
-                dist.all_reduce(grad, group=self.replicas)
+    def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        """One backward's gradient of this rank's experts made the whole batch's: summed
+        over the ranks holding the same experts and divided by the data-parallel ranks
+        (each rank's loss is the mean over its share), as it flows into the parameter.
+        Linear, so accumulating micro-batches (with or without no_sync) adds up alike."""
+        grad = grad / self.dp
+        if self.replicas is not None:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=self.replicas)
+        return grad
 
     def release(self) -> None:
         """Give the experts modules their own forward back."""
@@ -184,20 +205,32 @@ class ExpertParallel:
 
 
 @contextlib.contextmanager
-def _holding_local(module: nn.Module, local: int) -> Iterator[torch.dtype]:
-    """`module` holds this rank's experts as plain tensors (and says it has `local`
-    experts) for its own forward; yields their dtype."""
+def _holding_local(
+    module: nn.Module,
+    local: int,
+    dtype: torch.dtype,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> Iterator[list[torch.Tensor]]:
+    """`module` holds this rank's experts as plain tensors in `dtype` (the tokens' own:
+    FSDP's mixed precision leaves the experts in their stored dtype) and says it has
+    `local` experts, for its own forward; each backward's gradient of them passes through
+    `reduce` on its way to the parameter. Yields the tensors held."""
     params = dict(module._parameters)
     count = getattr(module, "num_experts", None)
-    dtype = torch.float32
+    held = []
     for name, param in params.items():
         if isinstance(param, DTensor):
-            module._parameters[name] = param.to_local()  # type: ignore[assignment]
-            dtype = param.dtype
+            mine = param.to_local()
+            if mine.requires_grad:
+                mine.register_hook(reduce)
+            if mine.is_floating_point():
+                mine = mine.to(dtype)
+            module._parameters[name] = mine  # type: ignore[assignment]
+            held.append(mine)
     if count is not None:
         module.num_experts = local
     try:
-        yield dtype
+        yield held
     finally:
         module._parameters.update(params)
         if count is not None:

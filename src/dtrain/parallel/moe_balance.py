@@ -19,6 +19,7 @@ the model's own.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,9 @@ from dtrain.step.batches import Weight
 
 NAME = "load_balancing_loss_func"
 """The function Hugging Face MoE models compute their auxiliary loss with."""
+SIGNATURE = ("gate_logits", "num_experts", "top_k", "attention_mask")
+"""Its parameters in the models whose loss dtrain computes over the global batch (Mixtral,
+Qwen2-MoE, DBRX, JetMoE, ...); Switch Transformers' takes other arguments."""
 
 
 class GlobalBalance:
@@ -47,9 +51,21 @@ class GlobalBalance:
 
     @classmethod
     def install(cls, model: nn.Module, group: dist.ProcessGroup) -> GlobalBalance | None:
-        """The replacement for `model`'s module, or None where it computes no such loss."""
-        module = sys.modules.get(type(model).__module__)
-        if not callable(getattr(module, NAME, None)):
+        """The replacement for `model`'s module, or None where it computes no such loss;
+        a ConfigError for a model that adds one dtrain cannot compute over the global
+        batch (a function of other arguments)."""
+        own = getattr(sys.modules.get(type(model).__module__), NAME, None)
+        if not callable(own):
+            return None
+        if tuple(inspect.signature(own).parameters)[: len(SIGNATURE)] != SIGNATURE:
+            if _adds_balance(model):
+                raise ConfigError(
+                    f"{type(model).__name__} adds a load-balancing loss (output_router_logits"
+                    "=True) that dtrain cannot compute over the global batch (its "
+                    f"{NAME} takes other arguments than Mixtral's), so each data-parallel "
+                    "rank would train towards its own share's balance; build the model "
+                    "with output_router_logits=False, or train it in one process."
+                )
             return None
         return cls(model, group)
 
@@ -91,14 +107,20 @@ def refuse_local_balance(model: nn.Module, strategy: str) -> None:
     """A ConfigError for a Hugging Face MoE model that adds its load-balancing loss
     (``output_router_logits``), under a strategy whose replicas, towers or micro-batches
     would each compute it over their part of the step's batch only."""
-    if not getattr(getattr(model, "config", None), "output_router_logits", False):
-        return
-    if not callable(getattr(sys.modules.get(type(model).__module__), NAME, None)):
+    if not _adds_balance(model):
         return
     raise ConfigError(
         f"{type(model).__name__} adds its load-balancing loss (output_router_logits=True), "
         f"which under strategy {strategy} each replica, tower or micro-batch would compute "
         "over its own part of the batch: another balance than one process trains towards. "
-        "Use ddp, zero1, zero2, zero3 or hsdp without --cp (dtrain makes the loss the "
-        "global batch's there), or build the model with output_router_logits=False."
+        "Use ddp, zero1, zero2, zero3 or hsdp without --cp and without --grad-accumulation "
+        "(dtrain makes the loss the global batch's there), or build the model with "
+        "output_router_logits=False."
     )
+
+
+def _adds_balance(model: nn.Module) -> bool:
+    """True if `model` is a Hugging Face MoE model that adds its load-balancing loss."""
+    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+        return False
+    return callable(getattr(sys.modules.get(type(model).__module__), NAME, None))

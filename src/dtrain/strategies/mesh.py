@@ -32,7 +32,7 @@ from dtrain.parallel.context_parallel import SequenceCut
 from dtrain.parallel.data_parallel import ShardOptions
 from dtrain.parallel.degrees import microbatches
 from dtrain.parallel.device_mesh import expert_mesh, parallel_mesh
-from dtrain.parallel.expert_parallel import ExpertParallel, experts_of
+from dtrain.parallel.expert_parallel import ExpertParallel
 from dtrain.parallel.hooks import gradient_hooks
 from dtrain.parallel.moe_balance import GlobalBalance
 from dtrain.parallel.parallelize import Parallelized, parallelize, shard_options
@@ -124,9 +124,13 @@ class MeshStrategy(Strategy):
 
     @property
     def splits_balance(self) -> bool:
-        """A pipeline's micro-batches and a cut sequence split the balancing loss; over the
-        data-parallel ranks it is made the global batch's (`dtrain.parallel.moe_balance`)."""
-        return self.degrees.pp_enabled or self.degrees.cp_enabled
+        """A pipeline's micro-batches, a cut sequence and micro-batches accumulated over
+        several data-parallel ranks (each the union of other samples than one process's)
+        split the balancing loss; over the data-parallel ranks of a whole step it is made
+        the global batch's (`dtrain.parallel.moe_balance`)."""
+        d = self.degrees
+        accumulated = d.dp_enabled and self.config.grad_accumulation > 1
+        return d.pp_enabled or d.cp_enabled or accumulated
 
     @property
     def pipeline(self) -> Pipeline | None:
@@ -185,7 +189,7 @@ class MeshStrategy(Strategy):
                 model, self._expert_mesh, d.dp, self.topology.device, preparation.compile,
                 self.handover,
             )  # fmt: skip
-        if d.dp_enabled and not d.cp_enabled and experts_of(model):
+        if d.dp_enabled and not self.splits_balance:
             self._balance = GlobalBalance.install(model, self.mesh.dp_group)
         model = self.prepare(model)
         self._user = model
@@ -275,11 +279,7 @@ class MeshStrategy(Strategy):
         loss.backward()
         if self._balance is not None:
             self._balance.weight = 1.0  # a loop by hand weighs its loss itself
-        if not self._syncing:
-            return
-        if self.experts is not None:
-            self.experts.reduce_gradients()
-        if self._unused is not None:
+        if self._unused is not None and self._syncing:
             self._unused.check()
 
     @contextlib.contextmanager
