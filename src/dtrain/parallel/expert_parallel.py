@@ -147,6 +147,8 @@ class ExpertParallel:
         self.params: list[nn.Parameter] = []
         """The experts' parameters (DTensors), which the data-parallel wrappers leave alone."""
         self.names: list[str] = []
+        self._set_forwards: dict[str, Any] = {}
+        """A forward the script set on an experts module itself, kept for `release`."""
         rank = mesh.rank
         for path, module in self.modules.items():
             count = expert_count(path, module)
@@ -164,6 +166,7 @@ class ExpertParallel:
                 module.register_parameter(name, held)
                 self.params.append(held)
                 self.names.append(f"{path}.{name}")
+            self._set_forwards[path] = module.__dict__.get("forward")
             module.forward = self._forward_of(module, count)  # type: ignore[method-assign]
 
     def _forward_of(self, module: nn.Module, count: int) -> Any:
@@ -200,8 +203,10 @@ class ExpertParallel:
 
     def release(self) -> None:
         """Give the experts modules their own forward back."""
-        for module in self.modules.values():
+        for path, module in self.modules.items():
             module.__dict__.pop("forward", None)
+            if self._set_forwards[path] is not None:  # one the script set on the module
+                module.forward = self._set_forwards[path]  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
