@@ -125,13 +125,13 @@ class Strategy(CheckpointState):
             handover.pretrained,
         )
         self.labels = label_counter(model)
-        if self.splits_balance:
+        if self._splits_balance:
             refuse_local_balance(model, self.name)
         self._note_unsynced_batchnorm(model)
         return self.wrap(model, optimizer)
 
     @property
-    def splits_balance(self) -> bool:
+    def _splits_balance(self) -> bool:
         """True if a mixture of experts' load-balancing loss, which the model computes
         over the batch it is given, would be computed over parts of the step's batch
         (data-parallel replicas, towers, micro-batches) and not made whole again."""

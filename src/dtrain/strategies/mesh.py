@@ -123,7 +123,7 @@ class MeshStrategy(Strategy):
         )
 
     @property
-    def splits_balance(self) -> bool:
+    def _splits_balance(self) -> bool:
         """A pipeline's micro-batches, a cut sequence and micro-batches accumulated over
         several data-parallel ranks (each the union of other samples than one process's)
         split the balancing loss; over the data-parallel ranks of a whole step it is made
@@ -189,7 +189,7 @@ class MeshStrategy(Strategy):
                 model, self._expert_mesh, d.dp, self.topology.device, preparation.compile,
                 self.handover,
             )  # fmt: skip
-        if d.dp_enabled and not self.splits_balance:
+        if d.dp_enabled and not self._splits_balance:
             self._balance = GlobalBalance.install(model, self.mesh.dp_group)
         model = self.prepare(model)
         self._user = model
