@@ -82,7 +82,9 @@ def test_a_hung_rank_is_named_with_its_line(tmp_path: Path) -> None:
     assert done.returncode != 0, out
     assert "Rank 0" in out and "waited longer than --timeout" in out, out
     # The cause leads: the rank that hung, then the rank that timed out waiting for it.
-    hung = out.index("Rank 1 hung: rank 0 waited longer than --timeout for it, and it was still")
+    named = "Rank 1 hung: rank 0 waited longer than --timeout for it, and it was still"
+    assert named in out, out
+    hung = out.index(named)
     assert hung < out.index("Rank 0 ("), out
     # Line 10, where it stopped; or 11: SIGTERM may land on another of its threads, and
     # the main thread, continued, runs on to the next line before the dump.
@@ -121,3 +123,23 @@ def test_ranks_stopped_without_a_stack_are_listed_in_one_line() -> None:
     text = format_failures(failures, stacks={1: DUMP})
     assert "Rank 1 hung: rank 0 waited" in text and "train.py" in text
     assert "Rank(s) 2 were stopped by the launcher after that." in text
+
+
+def test_a_stopped_rank_whose_main_thread_ran_on_into_an_error_still_hung() -> None:
+    """Continued from SIGSTOP, the stopped rank's main thread can reach a collective with
+    the rank already gone (while another thread writes the stack) and exit with that
+    error before SIGTERM ends it: its stack says it was stopped, so it is named as hung."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {
+        r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file="") for r in (0, 1)
+    }
+    timed_out = "RuntimeError: [unbound_buffer.cc:81] Timed out waiting 10000ms for recv"
+    closed = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:20710"
+    for rank, error in ((0, timed_out), (1, closed)):
+        failures[rank].error_file_data = {
+            "dtrain": {"message": error, "traceback": error, "user_error": False}
+        }
+    text = format_failures(failures, stacks={1: DUMP})
+    assert text.startswith("Rank 1 hung: rank 0 waited longer than --timeout for it"), text
+    assert "Connection closed by peer" not in text

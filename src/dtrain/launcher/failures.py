@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -63,9 +63,16 @@ def rendezvous_host_lost(config: Config, why: str) -> str:
     )
 
 
-def _causes(failures: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-    """The failures that ended the job: not the ranks the agent stopped (SIGTERM) after."""
+def _causes(
+    failures: dict[int, ProcessFailure], dumped: Collection[int] = ()
+) -> dict[int, ProcessFailure]:
+    """The failures that ended the job: not the ranks the agent stopped (SIGTERM) after,
+    nor those that wrote their stack on its SIGTERM (`dumped`): such a rank, stopped
+    while its main thread still ran (continued from SIGSTOP, the signal taken by another
+    thread), can reach a collective with a rank already gone and exit with that error
+    before the signal ends it."""
     stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
+    stopped |= set(dumped)
     return {r: f for r, f in failures.items() if r not in stopped} or failures
 
 
@@ -258,7 +265,7 @@ def format_failures(
     (`survey`): a rank that lost a peer is told which machine that was, and a machine
     that does not answer any more is named even when no rank's error points to it.
     """
-    causes = _causes(failures)
+    causes = _causes(failures, stacks or {})
     host = socket.gethostname()
     lost_told = False
     ordered: list[tuple[int, int, str, str]] = []
