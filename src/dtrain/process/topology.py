@@ -134,7 +134,8 @@ def _peers_unreachable(topology: Topology, error: str) -> str:
 
 
 def _job_store(topology: Topology, timeout: timedelta) -> dist.Store:
-    """The rendezvous store at MASTER_ADDR:MASTER_PORT, private to this attempt.
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT, private to this attempt and to
+    this process's join there (`_STORES`).
 
     The agent hosts the store when it says so (TORCHELASTIC_USE_AGENT_STORE); the store
     then outlives a restart, and a restarted group reading the previous attempt's keys (a
@@ -144,14 +145,28 @@ def _job_store(topology: Topology, timeout: timedelta) -> dist.Store:
     joins an elastic job late counts its attempts from 0 while the others do not.
     """
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        topology.world_size,
-        is_master=not agent_hosts and topology.rank == 0,
-        timeout=timeout,
-    )
+    where = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    store, joins = _STORES.get(where, (None, 0))
+    if store is None:
+        store = dist.TCPStore(
+            *where,
+            topology.world_size,
+            is_master=not agent_hosts and topology.rank == 0,
+            timeout=timeout,
+        )
+    _STORES[where] = (store, joins + 1)
+    if joins:  # this process joined a group there before (dtrain.init after a close)
+        store = dist.PrefixStore(f"dtrain/join-{joins}", store)
     if not agent_hosts:
         return store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"dtrain/attempt-{attempt}", store)
+
+
+_STORES: dict[tuple[str, int], tuple[dist.Store, int]] = {}
+"""The store this process reached at each address, and how many groups it joined there.
+A group left (`engine.close`) can leave objects that still hold the store, whose socket
+then stays bound: a second `dtrain.init` in the same process (a notebook, a script that
+retries after a refusal) would fail to listen on the same port, so it takes the same
+store again, its keys under a prefix of that join's own (every rank joins in the same
+order), apart from the last group's."""
