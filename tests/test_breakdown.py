@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_ranks
 from torch import nn
+from torch.autograd import Variable
 from torch.utils.data import Dataset
 
 import dtrain
@@ -22,6 +23,7 @@ from dtrain.observe import flops
 from dtrain.observe.breakdown import PHASES, StepTimer
 from dtrain.observe.clock import HostClock, Mark
 from dtrain.observe.diagnosis import Job, diagnose, table
+from dtrain.observe.events import Observer, Observers
 from dtrain.observe.flops import flops_per_token, gpt_throughput
 from dtrain.observe.trace import trace_events
 
@@ -142,29 +144,52 @@ class TickClock(HostClock):
         return float(self.ticks)
 
 
-def test_a_step_marks_its_last_gradient_once_the_count_is_known() -> None:
-    clock = TickClock()
+def test_a_backward_marks_its_gradients_once_the_last_record_winning() -> None:
+    clock = TickClock()  # the n-th mark reads n seconds
     timer = StepTimer(clock)
-
-    def step(number: int, gradients: int) -> int:
-        timer.begin_step(number)
-        timer.begin_micro()
-        timer.forward_done()
-        before = clock.ticks
-        for _ in range(gradients):
-            timer.grad_ready()
-        marks = clock.ticks - before
-        timer.end_micro()
-        return marks
-
-    assert step(1, 3) == 3  # no count yet: every gradient marks, the last one wins
-    assert step(2, 3) == 1  # one mark a step, at the last gradient
-    assert step(3, 2) == 0  # fewer than counted: no mark, the backward runs to its end
-    assert step(4, 3) == 2  # counted 2 now: the 2nd and the 3rd mark
-    timer.begin_step(5)
+    timer.begin_step(1)  # 1
+    timer.begin_micro()  # 2
+    timer.forward_done()  # 3
+    timer.grad_ready()  # 4: a pipeline's first chunk
+    timer.grad_ready()  # 5: its last
+    timer.end_micro()  # 6
+    timer.begin_step(2)  # 7
+    timer.begin_micro()  # 8
+    timer.forward_done()  # 9
+    timer.end_micro()  # 10: no mark (nothing to compute): backward runs to its end
+    timer.begin_step(3)  # 11
     timer.collect()
-    assert list(timer.times["backward"]) == [3.0, 1.0, 1.0, 2.0]
-    assert list(timer.times["communication"]) == [1.0, 1.0, 0.0, 1.0]
+    assert list(timer.times["backward"]) == [2.0, 1.0]
+    assert list(timer.times["communication"]) == [1.0, 0.0]
+
+
+class _Ready(Observer):
+    def __init__(self, order: list[str], params: list[nn.Parameter]) -> None:
+        self.order, self.params = order, params
+
+    def on_grad_ready(self) -> None:
+        assert all(p.grad is not None for p in self.params)
+        self.order.append("ready")
+
+
+def test_gradients_are_ready_once_a_backward_before_the_exchange_waits() -> None:
+    """One call a backward, not one a parameter: autograd's pass is over (every gradient
+    accumulated), and it comes before the callbacks DDP and FSDP queue during backward to
+    wait for their exchange."""
+    order: list[str] = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    params = list(model.parameters())
+    observers = Observers([_Ready(order, params)])
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: order.append("grad"))
+    params[0].register_post_accumulate_grad_hook(  # as DDP's reducer, at its last bucket
+        lambda _: Variable._execution_engine.queue_callback(lambda: order.append("exchange"))
+    )
+    for _ in range(2):
+        loss = model(torch.randn(3, 4)).sum()
+        observers.watch_backward(loss)
+        loss.backward()
+    assert order == 2 * (["grad"] * len(params) + ["ready", "exchange"])
 
 
 def test_collectives_inside_forward_and_backward_count_as_communication() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 from step_files import MOST_FILES, step_files, too_many
@@ -80,12 +81,44 @@ TWO_PROCESS_STEPS: dict[str, dict[str, Any]] = {
 """The strategies whose `step_files` the two-process job measures, with their options."""
 
 
+def ranks_losses() -> dict[str, Any]:
+    """Under ddp with --log-every 4, each rank's loss scaled by its rank + 1: the loss a
+    read returns against the ranks' own, then rank 1's loss infinite at step 5 and rank
+    0's at step 6: (the read, the mean of the ranks' last losses, the error, the steps
+    taken)."""
+    engine = dtrain.init(strategy="ddp", seed=0, log_every=4)
+    model = DigitsMLP(hidden=4)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    rank = dist.get_rank()
+    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    scaled = lambda out, y: F.cross_entropy(out, y) * (rank + 1)  # noqa: E731
+    for _ in range(3):
+        mine = engine.train_step(batch, scaled)
+    read = engine.check_loss()
+    everyone: list[Any] = [None] * 2
+    dist.all_gather_object(everyone, mine.item())
+    start = engine.step
+
+    def bad(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        infinite = engine.step - start == 2 - rank  # rank 1: step 5, rank 0: step 6
+        return F.cross_entropy(out, y) * (float("inf") if infinite else 1.0)
+
+    with pytest.raises(dtrain.NonFiniteLossError) as error:
+        for _ in range(5):  # read at step 8
+            engine.train_step(batch, bad)
+    steps = engine.step - start
+    del model, optimizer
+    finish(engine, close=False)
+    return {"read": read, "mean": sum(everyone) / 2, "error": str(error.value), "steps": steps}
+
+
 def two_process_reads() -> dict[str, Any]:
-    """`count_reads` under ddp, then under zero3 clipping, then `step_files` under each
-    of TWO_PROCESS_STEPS, in one process group."""
+    """`count_reads` under ddp, then under zero3 clipping, `ranks_losses`, then
+    `step_files` under each of TWO_PROCESS_STEPS, in one process group."""
     return {
         "ddp": count_reads("ddp", close=False),
         "zero3": count_reads("zero3", 10, 0.5, close=False),
+        "losses": ranks_losses(),
         "files": {
             name: step_files(close=i == len(TWO_PROCESS_STEPS) - 1, strategy=name, **options)
             for i, (name, options) in enumerate(TWO_PROCESS_STEPS.items())
@@ -119,6 +152,17 @@ def test_one_step_opens_at_most_six_files_in_one_process() -> None:
         "step/batches.py",
         "strategies/base.py",
     ]
+
+
+@pytest.mark.timeout(200)
+def test_a_read_is_the_ranks_mean_and_a_non_finite_loss_is_named_with_its_rank(
+    two_processes: list[dict[str, Any]],
+) -> None:
+    for result in two_processes:
+        losses = result["losses"]
+        assert losses["read"] == pytest.approx(losses["mean"], rel=1e-6)
+        assert "The loss is inf at step 5 on rank 1" in losses["error"]  # the first of two
+        assert losses["steps"] == 4, "the step that read the losses took no update"
 
 
 @pytest.mark.timeout(200)

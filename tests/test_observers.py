@@ -27,9 +27,12 @@ class Recorder(Observer):
         self.events: list[tuple[Any, ...]] = []
         self.results: dict[str, Any] = {}
         self.grads = 0
-        """Gradients accumulated since the last micro-batch or backward ended."""
+        """Backwards that computed their gradients since the last micro-batch or backward
+        ended; each one seen with every parameter's gradient in place."""
+        self.params: list[torch.Tensor] = []
 
     def on_setup(self, run: Run) -> None:
+        self.params = list(run.module.parameters())
         self.events.append(("setup", type(run.optimizer).__name__))
 
     def on_step_start(self, step: int) -> None:
@@ -46,6 +49,7 @@ class Recorder(Observer):
         self.events.append(("loss",))
 
     def on_grad_ready(self) -> None:
+        assert all(p.grad is not None for p in self.params)  # autograd's pass is over
         self.grads += 1
 
     def on_micro_end(self) -> None:
@@ -127,7 +131,7 @@ def test_an_observer_sees_the_events_in_order_and_a_failed_step_still_ends(
         optimizer.zero_grad()
     engine.close()
 
-    params = len(list(model.parameters()))
+    params = 1  # one call a backward, once every gradient is computed, not one a parameter
     assert recorder.events == [
         ("setup", "SGD"),
         ("start", 1),

@@ -135,7 +135,9 @@ class Engine(JobView, DataSide, CheckpointSide):
         loaded = pretrained_names(folder) if folder is not None and record else frozenset()
         o = self.observers
         timing = (o.on_collective_start, o.on_collective_end)  # collectives in a forward
-        handover = Handover(o.on_forward_end, self.loss_scaling, record, loaded, *timing)
+        handover = Handover(
+            o.on_forward_end, self.loss_scaling, record, loaded, *timing, o.watch_backward
+        )
         self.model, optimizer = self.strategy.setup(model, optimizer, handover)
         self.optimizer = optimizer
         if self.loss_scaling is not None:  # the group, read once setup made it

@@ -4,8 +4,9 @@ A step is the time from one `train_step` to the next. It is cut into:
 
 - ``data``: waiting for the loader's next batch (host time);
 - ``forward``: the model's forward and the loss;
-- ``backward``: backward up to the moment the last parameter's gradient is ready (a
-  ``register_post_accumulate_grad_hook`` on every parameter marks it);
+- ``backward``: backward up to the moment autograd has computed every gradient (a
+  callback autograd runs at the end of its pass marks it, queued by a hook on the loss:
+  one mark per backward, however many parameters);
 - ``communication``: what backward still waited for after that, the gradient
   synchronisation compute did not hide (DDP's last buckets, a straggler's lateness), plus
   the optimizer step of strategies whose step is the exchange itself (parameter servers),
@@ -48,8 +49,6 @@ class _Micro:
     forward: Mark | None = None
     grad: Mark | None = None
     end: Mark | None = None
-    grads: int = 0
-    """Gradients accumulated so far."""
     collectives: list[list[Mark | None]] = field(default_factory=list)
     """[start, end] of each collective inside its forward or backward."""
 
@@ -97,25 +96,14 @@ class StepTimer:
         """Spans of the traced steps."""
         self._open: list[_Step] = []
         self._micro: _Micro | None = None
-        self._grads_per_micro = 0
-        """Gradients the last finished micro-batch accumulated (0: none finished yet)."""
 
     # -- marks (the hot path: no host synchronisation) ----------------------------------
     def grad_ready(self) -> None:
-        """A parameter's gradient is ready: the last call of a micro-batch marks its
-        "last gradient ready".
-
-        Which call is the last is known from the micro-batch before (the count of its
-        calls): only that one marks, so that a step records one CUDA event for it, not one
-        per parameter. Until a micro-batch has been counted, and past the count, every
-        call marks again (the last record wins); a backward that accumulates fewer
-        gradients than the one before leaves its mark unset (its backward then runs to its
-        end) and sets the count for the next."""
+        """A backward of the micro-batch computed its gradients: its "last gradient
+        ready" mark (recorded again by a later backward of the same micro-batch, such as a
+        pipeline's next chunk: the last record wins)."""
         micro = self._micro
-        if micro is None:
-            return
-        micro.grads += 1
-        if micro.grads >= self._grads_per_micro:
+        if micro is not None:
             micro.grad = self.clock.mark(micro.grad)
 
     def begin_step(self, number: int) -> None:
@@ -143,7 +131,6 @@ class StepTimer:
         """The micro-batch's backward (with its gradient synchronisation) returned."""
         if self._micro is not None:
             self._micro.end = self.clock.mark()
-            self._grads_per_micro = self._micro.grads
             self._micro = None
 
     def collective_begin(self) -> None:

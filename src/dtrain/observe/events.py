@@ -14,7 +14,7 @@ One `train_step` fires, in order::
       for each micro-batch:
         on_micro_start(samples)
           on_forward_end()                      the strategy's forward computed the loss
-          on_grad_ready()                       as each parameter's gradient is accumulated
+          on_grad_ready()                       its backward computed every gradient
         on_micro_end()
       on_gradients(step, loss)
       [on_grad_norm(norm)]                      with --clip-grad-norm
@@ -29,10 +29,11 @@ around each ``optimizer.step()`` it takes itself, then ``on_loop_step(step)``; o
 first backward has shown there is such a loop, each call of the model fires
 ``on_forward_start(call)`` first.
 
-The dispatcher, `Observers`, is what torch calls back: it hooks the optimizer's step,
-the parameters' gradients and the model's forward once, at setup, and tells the
-observers; an observer registers no hook of its own on the step's path (the memory
-report's one forward hook, for its one measured step, aside).
+The dispatcher, `Observers`, is what torch calls back: it hooks the optimizer's step and
+the model's forward once, at setup, and each micro-batch's loss (one hook a backward,
+not one per parameter), and tells the observers; an observer registers no hook of its
+own on the step's path (the memory report's one forward hook, for its one measured step,
+aside).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 
@@ -107,8 +109,9 @@ class Observer:
         """`train_step`'s micro-batch has its loss: its backward starts."""
 
     def on_grad_ready(self) -> None:
-        """A parameter's gradient was accumulated (in backward, once per parameter: keep it
-        cheap)."""
+        """A backward computed every gradient: autograd's pass is over, the strategy's wait
+        for their synchronisation (DDP's last buckets, FSDP's reduce-scatters) is not
+        (once per backward: per micro-batch, per pipeline chunk)."""
 
     def on_collective_start(self) -> None:
         """A collective inside the micro-batch's forward or backward starts (context
@@ -168,8 +171,7 @@ class Observers:
     last, as it reads what the others added to the results and writes them.
 
     Each event calls only the observers that override its hook: the events run on the
-    step's hot path (``on_grad_ready`` once per parameter), where a call that does nothing
-    still costs its time.
+    step's hot path, where a call that does nothing still costs its time.
     """
 
     def __init__(self, observers: list[Observer]) -> None:
@@ -191,12 +193,8 @@ class Observers:
                 hooks.append(getattr(observer, name))
 
     def on_setup(self, run: Run) -> None:
-        """Hook the optimizer's step and every trainable parameter's gradient of
-        `run.module`, then tell the observers."""
+        """Hook the optimizer's step, then tell the observers."""
         self._model = run.model
-        for p in run.module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
         if run.optimizer is not None:
             run.optimizer.register_step_pre_hook(self._optimizer_start)
         for hook in self._hooks["on_setup"]:
@@ -211,11 +209,29 @@ class Observers:
         for hook in self._hooks["on_micro_start"]:
             hook(samples)
 
-    def on_forward_end(self) -> None:
+    def on_forward_end(self, loss: torch.Tensor) -> None:
+        """The strategy's forward computed `loss`: its backward is watched
+        (`watch_backward`), then the observers are told."""
+        self.watch_backward(loss)
         for hook in self._hooks["on_forward_end"]:
             hook()
 
-    def _grad_ready(self, _: torch.Tensor) -> None:
+    def watch_backward(self, output: torch.Tensor) -> None:
+        """Fire ``on_grad_ready`` once the next backward through `output` (a loss, a
+        pipeline stage's output) has computed every gradient: a hook on `output`, called as
+        that backward starts, queues a callback autograd runs once its pass is done, before
+        the callbacks DDP and FSDP queue later to wait for their gradient exchange."""
+        if not (self._hooks["on_grad_ready"] and output.requires_grad):
+            return
+        if output.grad_fn is not None:  # a node's pre-hook costs less than a tensor hook
+            output.grad_fn.register_prehook(self._backward_started)
+        else:
+            output.register_hook(self._backward_started)
+
+    def _backward_started(self, _: Any) -> None:
+        Variable._execution_engine.queue_callback(self._grad_ready)
+
+    def _grad_ready(self) -> None:
         for hook in self._hooks["on_grad_ready"]:
             hook()
 
@@ -264,6 +280,7 @@ class Observers:
             hook(step, loss)
 
     def on_backward_start(self, step: int, loss: torch.Tensor) -> None:
+        self.watch_backward(loss)
         for hook in self._hooks["on_backward_start"]:
             hook(step, loss)
 

@@ -45,33 +45,44 @@ class LossWatch:
     def read(self, group: dist.ProcessGroup | None, distributed: bool) -> float | None:
         """The last loss of the global batch (the mean over `group`'s ranks when
         `distributed`, a collective), read back in one transfer; a NonFiniteLossError on
-        every rank if any rank's loss since the last read was NaN or infinite."""
+        every rank if any rank's loss since the last read was NaN or infinite.
+
+        The ranks' losses are summed by one all-reduce (a NaN or an infinity anywhere
+        makes its step's sum non-finite on every rank); only then are they gathered, to
+        name the rank and the step that went first."""
         if not self._losses:
             return self.last
         losses = torch.stack(list(self._losses.values())).double().reshape(len(self._losses))
+        ranks = 1
         if distributed:
             if dist.get_backend(group) == "gloo":
-                losses = losses.cpu()  # gloo gathers host tensors; this is the read anyway
-            everyone = [torch.empty_like(losses) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(everyone, losses, group=group)
-            rows = torch.stack(everyone).tolist()
-        else:
-            rows = [losses.tolist()]
+                losses = losses.cpu()  # gloo reduces host tensors; this is the read anyway
+            ranks = dist.get_world_size(group)
+            mine, losses = losses, losses.clone()
+            dist.all_reduce(losses, group=group)
+        sums = losses.tolist()
         steps = list(self._losses)
         self.last_step = steps[-1]
         self._losses = {}
-        bad = [
-            (steps[slot], value, rank)
-            for rank, row in enumerate(rows)
-            for slot, value in enumerate(row)
-            if not math.isfinite(value)
-        ]
-        if bad:
+        if not all(map(math.isfinite, sums)):
+            rows = _gathered(mine, group) if distributed else [sums]
+            bad = [
+                (steps[slot], value, rank)
+                for rank, row in enumerate(rows)
+                for slot, value in enumerate(row)
+                if not math.isfinite(value)
+            ]
             step, value, rank = min(bad)
             raise NonFiniteLossError(step, value, rank if distributed else None)
         # Every rank's share is the same size, so the mean of their means is the loss of the
         # global batch (what `single` shows); ranks holding copies (tp, pp) count alike.
-        self.last = sum(row[-1] for row in rows) / len(rows)
-        count = len(rows[0])
-        self.interval = (sum(map(sum, rows)) / (len(rows) * count), count)
+        self.last = sums[-1] / ranks
+        self.interval = (sum(sums) / (ranks * len(sums)), len(sums))
         return self.last
+
+
+def _gathered(losses: torch.Tensor, group: dist.ProcessGroup | None) -> list[list[float]]:
+    """Every rank's `losses` (the same length on each), in rank order."""
+    everyone = [torch.empty_like(losses) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, losses, group=group)
+    return torch.stack(everyone).tolist()

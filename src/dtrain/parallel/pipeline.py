@@ -247,6 +247,11 @@ class Pipeline:
         self.steps += 1
         return total
 
+    def watch_backward(self, watch: Callable[[torch.Tensor], None]) -> None:
+        """Hand each stage's forward output to `watch` (`Handover.backward_watch`)."""
+        for stage in self.stages:
+            stage.watch = watch
+
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         """Steps inside the block accumulate gradients for a later one: tied weights'

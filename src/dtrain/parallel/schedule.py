@@ -42,15 +42,22 @@ def untouched(module: nn.Module, device: torch.device) -> Iterator[None]:
         setattr(owner, name, value)
 
 
+def _unwatched(_: torch.Tensor) -> None:
+    """No one watches the stage's backwards."""
+
+
 class TimedStage(PipelineStage):
     """A pipeline stage that adds up the time it computes (each micro-batch's forward and
     backward), so the idle time of the stage, and any imbalance between stages, can be
-    told apart from its work. On GPUs it records CUDA events, read once a step is over."""
+    told apart from its work. On GPUs it records CUDA events, read once a step is over.
+    Each forward's output is handed to `watch` (the step timing's hook on the backward
+    through it)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.watch: Callable[[torch.Tensor], None] = _unwatched
 
     def _timed(self, run: Callable[[], Any]) -> Any:
         if self.device.type == "cuda":
@@ -73,7 +80,11 @@ class TimedStage(PipelineStage):
             return super()._forward_metadata_inference(*args, **kwargs)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
+        output = self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
+        first = output[0] if isinstance(output, tuple | list) else output
+        if isinstance(first, torch.Tensor):
+            self.watch(first)
+        return output
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from dtrain.strategies.specs import StrategySpec
 
 
-def _nothing() -> None:
+def _nothing(*_: Any) -> None:
     """Told nothing: a strategy set up without an Engine's observers."""
 
 
@@ -53,7 +53,10 @@ class Handover:
 
     Args:
         forward_done: tells the Engine's observers that a micro-batch's forward computed
-            its loss (`Observers.on_forward_end`).
+            the loss it is given, whose backward they watch (`Observers.on_forward_end`).
+        backward_watch: has the Engine's observers watch the backward through a tensor
+            the strategy's own schedule back-propagates (a pipeline stage's output:
+            `Observers.watch_backward`).
         loss_scaling: fp16-mixed's loss scale, applied to each loss; None otherwise.
         empty_build: what the model's build did inside `engine.init_empty()` (the model is
             on the meta device), replayed to initialise it; None otherwise.
@@ -64,12 +67,13 @@ class Handover:
             communication (`Observers.on_collective_start`).
     """
 
-    forward_done: Callable[[], None] = _nothing
+    forward_done: Callable[[torch.Tensor], None] = _nothing
     loss_scaling: LossScaling | None = None
     empty_build: BuildRecord | None = None
     pretrained: frozenset[str] = frozenset()
     collective_started: Callable[[], None] = _nothing
     collective_ended: Callable[[], None] = _nothing
+    backward_watch: Callable[[torch.Tensor], None] = _nothing
 
 
 class Strategy(CheckpointState):
@@ -215,7 +219,7 @@ class Strategy(CheckpointState):
         """
         with self.autocast():
             loss = self._forward_loss(batch, loss_fn)
-        self.handover.forward_done()
+        self.handover.forward_done(loss)
         scaling = self.handover.loss_scaling
         weighted = weigh(loss, scale)
         self.backward(weighted if scaling is None else scaling.scale(weighted))
