@@ -248,7 +248,8 @@ class Pipeline:
         return total
 
     def watch_backward(self, watch: Callable[[torch.Tensor], None]) -> None:
-        """Hand each stage's forward output to `watch` (`Handover.backward_watch`)."""
+        """Hand each stage's output of a step's last micro-batch to `watch`
+        (`Handover.backward_watch`)."""
         for stage in self.stages:
             stage.watch = watch
 

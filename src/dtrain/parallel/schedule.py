@@ -50,8 +50,8 @@ class TimedStage(PipelineStage):
     """A pipeline stage that adds up the time it computes (each micro-batch's forward and
     backward), so the idle time of the stage, and any imbalance between stages, can be
     told apart from its work. On GPUs it records CUDA events, read once a step is over.
-    Each forward's output is handed to `watch` (the step timing's hook on the backward
-    through it)."""
+    The output of the step's last micro-batch is handed to `watch` (the step timing's
+    hook on the backward through it, the stage's last)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,18 +59,23 @@ class TimedStage(PipelineStage):
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.watch: Callable[[torch.Tensor], None] = _unwatched
 
-    def _timed(self, run: Callable[[], Any]) -> Any:
+    def _begin(self) -> Any:
+        """The start of a timed run: a recorded CUDA event on a GPU, else the host time."""
         if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)
             start.record()
-            result = run()
-            end.record()
-            self._events.append((start, end))
-            return result
-        began = time.perf_counter()
-        result = run()
-        self.seconds += time.perf_counter() - began
-        return result
+            return start
+        return time.perf_counter()
+
+    def _end(self, start: Any) -> None:
+        """The timed run begun at `start` ended: its time is counted (on a GPU, once the
+        device has done it)."""
+        if isinstance(start, float):
+            self.seconds += time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((start, end))
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         # torch learns the activation shapes at the first step by a training-mode forward
@@ -79,15 +84,21 @@ class TimedStage(PipelineStage):
         with untouched(self.submod, self.device):
             return super()._forward_metadata_inference(*args, **kwargs)
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        output = self._timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs))
-        first = output[0] if isinstance(output, tuple | list) else output
-        if isinstance(first, torch.Tensor):
-            self.watch(first)
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        start = self._begin()
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._end(start)
+        if fwd_chunk_id == self.chunks - 1:  # its backward is the stage's last of the step
+            first = output[0] if isinstance(output, tuple | list) else output
+            if isinstance(first, torch.Tensor):
+                self.watch(first)
         return output
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs))
+        start = self._begin()
+        result = super().backward_one_chunk(*args, **kwargs)
+        self._end(start)
+        return result
 
     def take_seconds(self, wait: bool = False) -> float:
         """Compute seconds since the last call. On GPUs only the micro-batches the device

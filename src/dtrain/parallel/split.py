@@ -249,7 +249,7 @@ class Stage(nn.Module):
         What travels between stages is made contiguous, as gloo and NCCL send nothing
         else: the output, and the gradient of the input (a layer may well end or begin on
         a view, ``h.transpose(1, 2)``)."""
-        if x.is_floating_point():
+        if x.requires_grad:  # an activation from the stage before
             x = _ContiguousGrad.apply(x)
         for _, layer in self._dtrain_layout.layers:
             x = layer(x, **extras) if extras else layer(x)
