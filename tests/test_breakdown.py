@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -175,21 +176,28 @@ class _Ready(Observer):
 def test_gradients_are_ready_once_a_backward_before_the_exchange_waits() -> None:
     """One call a backward, not one a parameter: autograd's pass is over (every gradient
     accumulated), and it comes before the callbacks DDP and FSDP queue during backward to
-    wait for their exchange."""
+    wait for their exchange, FSDP's from a hook on the model's output even where that
+    output is the loss itself."""
     order: list[str] = []
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     params = list(model.parameters())
     observers = Observers([_Ready(order, params)])
+
+    def exchange(tag: str) -> Callable[..., None]:
+        return lambda *_: Variable._execution_engine.queue_callback(lambda: order.append(tag))
+
     for p in params:
         p.register_post_accumulate_grad_hook(lambda _: order.append("grad"))
-    params[0].register_post_accumulate_grad_hook(  # as DDP's reducer, at its last bucket
-        lambda _: Variable._execution_engine.queue_callback(lambda: order.append("exchange"))
-    )
+    params[0].register_post_accumulate_grad_hook(exchange("ddp"))  # at its last bucket
     for _ in range(2):
         loss = model(torch.randn(3, 4)).sum()
-        observers.watch_backward(loss)
-        loss.backward()
-    assert order == 2 * (["grad"] * len(params) + ["ready", "exchange"])
+        loss.register_hook(exchange("fsdp"))  # FSDP's hook on the root's output
+        observers.watch_backward(loss).backward()
+    assert order == 2 * (["grad"] * len(params) + ["ready", "fsdp", "ddp"])
+    leaf = torch.ones((), requires_grad=True)
+    for _ in range(3):  # a leaf keeps no hook from one backward to the next
+        observers.watch_backward(leaf).backward()
+    assert order.count("ready") == 5
 
 
 def test_collectives_inside_forward_and_backward_count_as_communication() -> None:

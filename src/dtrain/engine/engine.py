@@ -136,7 +136,7 @@ class Engine(JobView, DataSide, CheckpointSide):
         o = self.observers
         timing = (o.on_collective_start, o.on_collective_end)  # collectives in a forward
         handover = Handover(
-            o.on_forward_end, self.loss_scaling, record, loaded, *timing, o.watch_backward
+            o.on_forward_end, self.loss_scaling, record, loaded, *timing, o.watch_output
         )
         self.model, optimizer = self.strategy.setup(model, optimizer, handover)
         self.optimizer = optimizer
@@ -319,7 +319,7 @@ class Engine(JobView, DataSide, CheckpointSide):
         if self.loss_scaling is not None:
             self.loss_scaling.backward()
             loss = self.loss_scaling.scale(loss)
-        self.strategy.backward(loss)
+        self.strategy.backward(self.observers.watch_backward(loss))
         self.observers.on_backward_end()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

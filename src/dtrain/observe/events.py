@@ -209,24 +209,33 @@ class Observers:
         for hook in self._hooks["on_micro_start"]:
             hook(samples)
 
-    def on_forward_end(self, loss: torch.Tensor) -> None:
-        """The strategy's forward computed `loss`: its backward is watched
-        (`watch_backward`), then the observers are told."""
-        self.watch_backward(loss)
+    def on_forward_end(self, loss: torch.Tensor) -> torch.Tensor:
+        """The strategy's forward computed `loss`, the tensor it is about to
+        back-propagate: the observers are told; returns what to back-propagate instead
+        (`watch_backward`)."""
         for hook in self._hooks["on_forward_end"]:
             hook()
+        return self.watch_backward(loss)
 
-    def watch_backward(self, output: torch.Tensor) -> None:
-        """Fire ``on_grad_ready`` once the next backward through `output` (a loss, a
-        pipeline stage's output) has computed every gradient: a hook on `output`, called as
-        that backward starts, queues a callback autograd runs once its pass is done, before
-        the callbacks DDP and FSDP queue later to wait for their gradient exchange."""
-        if not (self._hooks["on_grad_ready"] and output.requires_grad):
-            return
-        if output.grad_fn is not None:  # a node's pre-hook costs less than a tensor hook
+    def watch_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` (about to be back-propagated) as a view of it whose backward is watched
+        (`watch_output`): the view's node is the first autograd runs, before any hook on
+        `loss` itself (FSDP's on a model's output that is its own loss), so the callback it
+        queues runs before the ones they queue. `loss` itself where no one watches."""
+        if not (self._hooks["on_grad_ready"] and loss.requires_grad):
+            return loss
+        root = loss.view_as(loss)
+        self.watch_output(root)
+        return root
+
+    def watch_output(self, output: torch.Tensor) -> None:
+        """Fire ``on_grad_ready`` once the next backward through `output` (a tensor with
+        a node in autograd's graph: a loss's view, a pipeline stage's output) has computed
+        every gradient: a pre-hook on its node, called as that backward reaches it, queues a
+        callback autograd runs once its pass is done, before the callbacks DDP's reducer and
+        FSDP queue later to wait for their gradient exchange."""
+        if self._hooks["on_grad_ready"] and output.grad_fn is not None:
             output.grad_fn.register_prehook(self._backward_started)
-        else:
-            output.register_hook(self._backward_started)
 
     def _backward_started(self, _: Any) -> None:
         Variable._execution_engine.queue_callback(self._grad_ready)
@@ -280,7 +289,6 @@ class Observers:
             hook(step, loss)
 
     def on_backward_start(self, step: int, loss: torch.Tensor) -> None:
-        self.watch_backward(loss)
         for hook in self._hooks["on_backward_start"]:
             hook(step, loss)
 

@@ -67,13 +67,14 @@ class LossWatch:
         if not all(map(math.isfinite, sums)):
             rows = _gathered(mine, group) if distributed else [sums]
             bad = [
-                (steps[slot], value, rank)
+                (steps[slot], rank, value)
                 for rank, row in enumerate(rows)
                 for slot, value in enumerate(row)
                 if not math.isfinite(value)
             ]
-            step, value, rank = min(bad)
-            raise NonFiniteLossError(step, value, rank if distributed else None)
+            if bad:  # else finite losses whose sum overflowed
+                step, rank, value = min(bad, key=lambda b: b[:2])
+                raise NonFiniteLossError(step, value, rank if distributed else None)
         # Every rank's share is the same size, so the mean of their means is the loss of the
         # global batch (what `single` shows); ranks holding copies (tp, pp) count alike.
         self.last = sums[-1] / ranks

@@ -249,7 +249,7 @@ class Pipeline:
 
     def watch_backward(self, watch: Callable[[torch.Tensor], None]) -> None:
         """Hand each stage's output of a step's last micro-batch to `watch`
-        (`Handover.backward_watch`)."""
+        (`Handover.output_watch`)."""
         for stage in self.stages:
             stage.watch = watch
 

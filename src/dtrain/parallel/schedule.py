@@ -57,7 +57,7 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.watch: Callable[[torch.Tensor], None] = _unwatched
+        self.watch: Callable[[torch.Tensor], object] = _unwatched
 
     def _begin(self) -> Any:
         """The start of a timed run: a recorded CUDA event on a GPU, else the host time."""
@@ -88,7 +88,7 @@ class TimedStage(PipelineStage):
         start = self._begin()
         output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         self._end(start)
-        if fwd_chunk_id == self.chunks - 1:  # its backward is the stage's last of the step
+        if self.chunks is not None and fwd_chunk_id == self.chunks - 1:  # the last backward
             first = output[0] if isinstance(output, tuple | list) else output
             if isinstance(first, torch.Tensor):
                 self.watch(first)

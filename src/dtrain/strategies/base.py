@@ -43,8 +43,13 @@ if TYPE_CHECKING:
     from dtrain.strategies.specs import StrategySpec
 
 
-def _nothing(*_: Any) -> None:
+def _nothing() -> None:
     """Told nothing: a strategy set up without an Engine's observers."""
+
+
+def _unwatched(tensor: torch.Tensor) -> torch.Tensor:
+    """Watched by no one: a strategy set up without an Engine's observers."""
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,12 @@ class Handover:
 
     Args:
         forward_done: tells the Engine's observers that a micro-batch's forward computed
-            the loss it is given, whose backward they watch (`Observers.on_forward_end`).
-        backward_watch: has the Engine's observers watch the backward through a tensor
-            the strategy's own schedule back-propagates (a pipeline stage's output:
-            `Observers.watch_backward`).
+            the loss it is given (weighted and scaled, about to be back-propagated); returns
+            the tensor to back-propagate instead, whose backward they watch
+            (`Observers.on_forward_end`).
+        output_watch: has the Engine's observers watch the backward through a tensor the
+            strategy's own schedule back-propagates (a pipeline stage's output:
+            `Observers.watch_output`).
         loss_scaling: fp16-mixed's loss scale, applied to each loss; None otherwise.
         empty_build: what the model's build did inside `engine.init_empty()` (the model is
             on the meta device), replayed to initialise it; None otherwise.
@@ -67,13 +74,13 @@ class Handover:
             communication (`Observers.on_collective_start`).
     """
 
-    forward_done: Callable[[torch.Tensor], None] = _nothing
+    forward_done: Callable[[torch.Tensor], torch.Tensor] = _unwatched
     loss_scaling: LossScaling | None = None
     empty_build: BuildRecord | None = None
     pretrained: frozenset[str] = frozenset()
     collective_started: Callable[[], None] = _nothing
     collective_ended: Callable[[], None] = _nothing
-    backward_watch: Callable[[torch.Tensor], None] = _nothing
+    output_watch: Callable[[torch.Tensor], object] = _unwatched
 
 
 class Strategy(CheckpointState):
@@ -219,10 +226,10 @@ class Strategy(CheckpointState):
         """
         with self.autocast():
             loss = self._forward_loss(batch, loss_fn)
-        self.handover.forward_done(loss)
         scaling = self.handover.loss_scaling
         weighted = weigh(loss, scale)
-        self.backward(weighted if scaling is None else scaling.scale(weighted))
+        root = weighted if scaling is None else scaling.scale(weighted)
+        self.backward(self.handover.forward_done(root))
         return weighted.detach()
 
     def _forward_loss(self, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
