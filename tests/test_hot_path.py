@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 from step_files import MOST_FILES, step_files, too_many
+from torch import nn
 from training import finish
 
 import dtrain
@@ -112,6 +113,42 @@ def ranks_losses() -> dict[str, Any]:
     return {"read": read, "mean": sum(everyone) / 2, "error": str(error.value), "steps": steps}
 
 
+class SkipsALayer(nn.Module):
+    """Two layers; `skip` leaves the second out of the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 3), nn.Linear(4, 3)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) if self.skip else self.first(x) + self.second(x)
+
+
+def unused_refusals() -> list[str]:
+    """Under ddp without --find-unused-parameters (the watch asks DDP's reducer, once a
+    backward): a layer left out of every micro-batch's loss, then out of the last one only
+    (its gradient kept from the first, under no_sync). The messages."""
+    messages = []
+    for accumulate in (1, 2):
+        engine = dtrain.init(strategy="ddp", seed=0, grad_accumulation=accumulate)
+        model = SkipsALayer()
+        wrapped, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        batch = (torch.randn(4, 4), torch.randint(0, 3, (4,)))
+        engine.train_step(batch, F.cross_entropy)  # every layer in the loss: no refusal
+        if accumulate == 1:
+            model.skip = True
+        else:  # the first micro-batch's forward uses it, the second leaves it out
+            model.skip = True
+            model.register_forward_pre_hook(lambda m, _: setattr(m, "skip", not m.skip))
+        with pytest.raises(dtrain.SetupError) as refused:
+            engine.train_step(batch, F.cross_entropy)
+        messages.append(str(refused.value))
+        del wrapped, optimizer
+        finish(engine, close=False)
+    return messages
+
+
 def two_process_reads() -> dict[str, Any]:
     """`count_reads` under ddp, then under zero3 clipping, `ranks_losses`, then
     `step_files` under each of TWO_PROCESS_STEPS, in one process group."""
@@ -119,6 +156,7 @@ def two_process_reads() -> dict[str, Any]:
         "ddp": count_reads("ddp", close=False),
         "zero3": count_reads("zero3", 10, 0.5, close=False),
         "losses": ranks_losses(),
+        "unused": unused_refusals(),
         "files": {
             name: step_files(close=i == len(TWO_PROCESS_STEPS) - 1, strategy=name, **options)
             for i, (name, options) in enumerate(TWO_PROCESS_STEPS.items())
@@ -163,6 +201,17 @@ def test_a_read_is_the_ranks_mean_and_a_non_finite_loss_is_named_with_its_rank(
         assert losses["read"] == pytest.approx(losses["mean"], rel=1e-6)
         assert "The loss is inf at step 5 on rank 1" in losses["error"]  # the first of two
         assert losses["steps"] == 4, "the step that read the losses took no update"
+
+
+@pytest.mark.timeout(200)
+def test_a_layer_left_out_of_the_loss_is_refused_by_name_under_ddp(
+    two_processes: list[dict[str, Any]],
+) -> None:
+    for result in two_processes:
+        whole, last = result["unused"]
+        assert whole.startswith("Parameter(s) second.weight, second.bias got no gradient")
+        assert last.startswith("Some parameter(s) got no gradient from this backward")
+        assert "--find-unused-parameters" in last
 
 
 @pytest.mark.timeout(200)

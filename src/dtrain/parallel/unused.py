@@ -3,14 +3,17 @@
 DDP (Li et al., VLDB 2020) reduces a bucket once every parameter in it has its gradient.
 Without ``find_unused_parameters`` it waits for all of them: one that took no part in the
 loss (a branch skipped always or on some steps) leaves its bucket unreduced, so that
-step's update is silently wrong, and DDP only complains at the next forward. Looking for a
-missing gradient after each synchronising backward costs one pass over the parameters
-and no communication, and refuses the step before the optimizer applies it.
+step's update is silently wrong, and DDP only complains at the next forward. After each
+synchronising backward the watch asks DDP's reducer whether it finalised the backward (one
+call into C++, no communication); only when it did not are the parameters looked through
+for the ones without a gradient, to name them, and the step is refused before the
+optimizer applies it.
 """
 
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.errors import SetupError
 
@@ -19,19 +22,27 @@ class UnusedWatch:
     """The trainable parameters of a model replicated by DDP without
     ``find_unused_parameters``, checked after each synchronising backward."""
 
-    def __init__(self, model: nn.Module, strategy: str) -> None:
+    def __init__(self, model: nn.Module, ddp: DistributedDataParallel, strategy: str) -> None:
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.ddp = ddp
         self.strategy = strategy
 
     def check(self) -> None:
-        """Raise a SetupError naming the parameters that have no gradient, if any."""
-        unused = [n for n, p in self.params if p.grad is None]
-        if unused:
-            raise SetupError(
-                f"Parameter(s) {', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''} "
-                f"got no gradient from this backward (they took no part in the loss), which "
-                f"strategy {self.strategy} cannot average without being told. Pass "
-                "--find-unused-parameters (dtrain.init(find_unused_parameters=True)) when some "
-                "parameters are skipped always or sometimes, or freeze the ones never used "
-                "(p.requires_grad_(False)) before engine.setup."
-            )
+        """Raise a SetupError naming the parameters that have no gradient, if DDP's reducer
+        did not finalise the backward."""
+        try:
+            self.ddp.reducer._check_reducer_finalized()
+            return
+        except RuntimeError:
+            unused = [n for n, p in self.params if p.grad is None]
+        # None without a gradient: one left out of this micro-batch's loss kept the one
+        # an earlier micro-batch accumulated under no_sync.
+        names = f"Parameter(s) {', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}"
+        raise SetupError(
+            f"{names if unused else 'Some parameter(s)'} got no gradient from this "
+            f"backward (they took no part in the loss), which strategy {self.strategy} "
+            "cannot average without being told. Pass --find-unused-parameters "
+            "(dtrain.init(find_unused_parameters=True)) when some parameters are skipped "
+            "always or sometimes, or freeze the ones never used (p.requires_grad_(False)) "
+            "before engine.setup."
+        )

@@ -211,7 +211,7 @@ class MeshStrategy(Strategy):
             self._context.enter_context(implicit_replication())
         find_unused = self.config.find_unused_parameters
         if isinstance(self.model, DistributedDataParallel) and not find_unused:
-            self._unused = UnusedWatch(self.parts.local, self.name)
+            self._unused = UnusedWatch(self.parts.local, self.model, self.name)
         if self.pipeline is not None:
             self.pipeline.watch_backward(self.handover.output_watch)
             for s, stage in sorted(self.pipeline.modules.items()):
