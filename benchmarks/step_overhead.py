@@ -26,6 +26,8 @@ processes: microseconds per step of each and the median ratio dtrain / plain (go
 
     python benchmarks/step_overhead.py --repeats 7
     python benchmarks/step_overhead.py --strategies ddp,zero3 --steps 500
+    python benchmarks/step_overhead.py --strategies single,ddp --layers 100   # 200 tensors:
+                                                      # where per-parameter costs show
 """
 
 from __future__ import annotations
@@ -64,13 +66,14 @@ MICROBATCHES = 4
 
 
 class Stack(nn.Module):
-    """LAYERS linear layers of WIDTH x WIDTH with ReLU between them."""
+    """`depth` linear layers of WIDTH x WIDTH with ReLU between them."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = LAYERS) -> None:
         super().__init__()
+        self.depth = depth
         layers: list[nn.Module] = []
-        for i in range(LAYERS):
-            layers += [nn.Linear(WIDTH, WIDTH)] + ([nn.ReLU()] if i < LAYERS - 1 else [])
+        for i in range(depth):
+            layers += [nn.Linear(WIDTH, WIDTH)] + ([nn.ReLU()] if i < depth - 1 else [])
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,8 @@ class Stack(nn.Module):
 
     def tensor_parallel_plan(self, degree: int) -> dict[str, str]:
         """Pairs of layers, the first split by columns, the second by rows."""
-        return {f"layers.{2 * i}": "colwise" if i % 2 == 0 else "rowwise" for i in range(LAYERS)}
+        styles = ("colwise", "rowwise")
+        return {f"layers.{2 * i}": styles[i % 2] for i in range(self.depth)}
 
 
 def make_data(samples: int) -> TensorDataset:
@@ -92,10 +96,10 @@ def make_data(samples: int) -> TensorDataset:
     return TensorDataset(inputs, torch.randint(0, WIDTH, (samples,), generator=generator))
 
 
-def plain_model(strategy: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model and optimizer a user sets up by hand for `strategy`."""
+def plain_model(strategy: str, depth: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (`depth` layers) and optimizer a user sets up by hand for `strategy`."""
     torch.manual_seed(0)
-    model = Stack()
+    model = Stack(depth)
     if strategy in SINGLE:
         return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if strategy in ("ddp", "loop", "zero1"):
@@ -131,7 +135,7 @@ def per_rank_batch(args: argparse.Namespace, strategy: str) -> int:
 
 def plain_run(args: argparse.Namespace, strategy: str, data: TensorDataset) -> float:
     """Microseconds per step of the loop written by hand."""
-    model, optimizer = plain_model(strategy)
+    model, optimizer = plain_model(strategy, args.layers)
     batch_size = per_rank_batch(args, strategy)
     if strategy == "pipeline":
         return plain_pipeline(args, data)
@@ -156,7 +160,7 @@ def plain_pipeline(args: argparse.Namespace, data: TensorDataset) -> float:
 
     torch.manual_seed(0)
     rank, stages = dist.get_rank(), dist.get_world_size()
-    layers = list(Stack().layers)
+    layers = list(Stack(args.layers).layers)
     cut = [round(i * len(layers) / stages) for i in range(stages + 1)]
     module = nn.Sequential(*layers[cut[rank] : cut[rank + 1]])
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
@@ -185,7 +189,7 @@ def dtrain_run(
         options["microbatches"] = MICROBATCHES
     name = "ddp" if strategy == "loop" else strategy
     engine = dtrain.init(strategy=name, cpu=True, **options)
-    model = Stack()
+    model = Stack(args.layers)
     model, optimizer = engine.setup(
         model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     )
@@ -266,6 +270,9 @@ def ps_pairs(args: argparse.Namespace) -> list[tuple[float, float]]:
 
 def main() -> None:
     parser = arguments(__doc__, batch=8, steps=300, warmup=30, repeats=5)
+    parser.add_argument(
+        "--layers", type=int, default=LAYERS, help="linear layers (2 parameter tensors each)"
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"some of {STRATEGIES}")
     args = parser.parse_args()
     chosen = args.strategies.split(",")
@@ -285,9 +292,9 @@ def main() -> None:
     for strategy in chosen:
         world = 1 if strategy in SINGLE else args.nproc
         title = (
-            f"{strategy}: {LAYERS} layers of {WIDTH}x{WIDTH}, world size {world}, global batch "
-            f"{args.global_batch_size}, {args.steps} steps per run, {args.repeats} repeats "
-            "(peer: plain PyTorch; lower is better, goal <= 1.05)"
+            f"{strategy}: {args.layers} layers of {WIDTH}x{WIDTH}, world size {world}, "
+            f"global batch {args.global_batch_size}, {args.steps} steps per run, "
+            f"{args.repeats} repeats (peer: plain PyTorch; lower is better, goal <= 1.05)"
         )
         ratios[strategy] = report(title, results[strategy], "us/step")
     print(f"{'strategy':<9} {'plain us':>9} {'dtrain us':>10} {'added us':>9} {'ratio':>6}")
