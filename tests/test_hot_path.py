@@ -262,3 +262,21 @@ def test_a_non_finite_loss_is_caught_at_the_log_interval() -> None:
     with pytest.raises(dtrain.NonFiniteLossError, match="The loss is inf at step 2"):
         engine.train_step(batch, bad)
     assert engine.step == 3, "the step that read the loss took no update"
+
+
+def test_a_read_writes_its_metrics_after_the_update_it_checked() -> None:
+    """The read itself comes before the update (a non-finite loss never reaches it); the
+    writing of its metrics waits for the end of the step, so that on a GPU the update is
+    queued while the host writes."""
+    engine = dtrain.init(strategy="single", log_every=2)
+    model = DigitsMLP(hidden=4)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    order: list[str] = []
+    optimizer.register_step_post_hook(lambda *_: order.append("update"))
+    log = engine.report.log
+    engine.report.log = lambda metrics, step: (order.append(f"log {step}"), log(metrics, step))
+    batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    for _ in range(4):
+        engine.train_step(batch, F.cross_entropy)
+    assert order == ["update", "update", "log 2", "update", "update", "log 4"]
+    engine.close()

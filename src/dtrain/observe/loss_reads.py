@@ -46,6 +46,10 @@ class LossReads(Observer):
         """The loss's course over the run, window by window."""
         self._resumed = False
         self._run: Run | None = None
+        self._pending: tuple[dict[str, float], int] | None = None
+        """A read's metrics and step, not yet written to the logs."""
+        self._settle_at_end = False
+        """A train_step's read left its logging for the end of the step."""
 
     @property
     def last(self) -> float | None:
@@ -58,7 +62,16 @@ class LossReads(Observer):
     def on_gradients(self, step: int, loss: torch.Tensor) -> None:
         self.watch.record(loss, step)
         if step % self.log_every == 0:
-            self.read()  # before the update: a non-finite loss never reaches it
+            # Before the update: a non-finite loss never reaches it. The logging waits for
+            # the end of the step, so that a GPU has the update's work queued meanwhile
+            # rather than idling after the read's wait.
+            self.read(later=True)
+            self._settle_at_end = True
+
+    def on_step_end(self, step: int, loss: torch.Tensor | None) -> None:
+        if self._settle_at_end:
+            self._settle_at_end = False
+            self._settle()
 
     def on_grad_norm(self, norm: torch.Tensor) -> None:
         self.grad_norm = norm
@@ -96,10 +109,10 @@ class LossReads(Observer):
         if self.watch.unread:
             self.read()
 
-    def read(self) -> float | None:
+    def read(self, later: bool = False) -> float | None:
         """Read the watched loss back from the device (a collective over the training
-        processes when they step in lockstep) and log it; on a non-finite loss, clear the
-        gradients and raise."""
+        processes when they step in lockstep) and log it (with `later`, at the end of the
+        step); on a non-finite loss, clear the gradients and raise."""
         run = self._run
         optimizer = run.optimizer if run is not None else None
         watch = self.watch
@@ -115,11 +128,20 @@ class LossReads(Observer):
         if fresh and loss is not None:
             self.course.add(watch.last_step, *watch.interval)
             if self.report.is_main:
-                self._log(loss, watch.last_step, optimizer)
-        self.timer.collect()  # the read waited for the device: the marks are done
+                self._pending = (self._metrics(loss, optimizer), watch.last_step)
+        if not later:
+            self._settle()
         return loss
 
-    def _log(self, loss: float, step: int, optimizer: torch.optim.Optimizer | None) -> None:
+    def _settle(self) -> None:
+        """Write the last read's metrics, and turn the step marks it made ready into
+        seconds (the read waited for the device)."""
+        if self._pending is not None:
+            self.report.log(*self._pending)
+        self._pending = None
+        self.timer.collect()
+
+    def _metrics(self, loss: float, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
         metrics = {
             "train/loss": loss,
             "train/samples_per_second": self.throughput.samples_per_second,
@@ -129,4 +151,4 @@ class LossReads(Observer):
         norm = float(self.grad_norm) if self.grad_norm is not None else math.nan
         if math.isfinite(norm):  # sync ps clips on the servers, which keep the norm
             metrics["train/grad_norm"] = norm
-        self.report.log(metrics, step)
+        return metrics
