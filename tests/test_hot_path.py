@@ -208,10 +208,9 @@ def test_a_layer_left_out_of_the_loss_is_refused_by_name_under_ddp(
     two_processes: list[dict[str, Any]],
 ) -> None:
     for result in two_processes:
-        whole, last = result["unused"]
-        assert whole.startswith("Parameter(s) second.weight, second.bias got no gradient")
-        assert last.startswith("Some parameter(s) got no gradient from this backward")
-        assert "--find-unused-parameters" in last
+        for message in result["unused"]:  # left out of every micro-batch, of the last one
+            assert message.startswith("Parameter(s) second.weight, second.bias got no gradient")
+            assert "--find-unused-parameters" in message
 
 
 @pytest.mark.timeout(200)

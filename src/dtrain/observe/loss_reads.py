@@ -1,6 +1,7 @@
 """The Engine's loss reads: the watched loss read back at the log interval (a collective
 under synchronous strategies), the non-finite check, the training scalars of the metric
-logs written at each read, and at the end a loss that jumped up named (loss_jump.py)."""
+logs written at each read (a train_step's at the end of its step), and at the end a loss
+that jumped up named (loss_jump.py)."""
 
 from __future__ import annotations
 
@@ -136,10 +137,12 @@ class LossReads(Observer):
     def _settle(self) -> None:
         """Write the last read's metrics, and turn the step marks it made ready into
         seconds (the read waited for the device)."""
-        if self._pending is not None:
-            self.report.log(*self._pending)
-        self._pending = None
-        self.timer.collect()
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:
+                self.report.log(*pending)
+        finally:
+            self.timer.collect()
 
     def _metrics(self, loss: float, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
         metrics = {

@@ -383,5 +383,5 @@ class MeshStrategy(Strategy):
         # process on gloo.
         self.parts = None
         self.model = None
-        self._user = None
+        self._user = self._unused = None
         gc.collect()
