@@ -247,7 +247,7 @@ class Pipeline:
         self.steps += 1
         return total
 
-    def watch_backward(self, watch: Callable[[torch.Tensor], None]) -> None:
+    def watch_outputs(self, watch: Callable[[torch.Tensor], object]) -> None:
         """Hand each stage's output of a step's last micro-batch to `watch`
         (`Handover.output_watch`)."""
         for stage in self.stages:

@@ -213,7 +213,7 @@ class MeshStrategy(Strategy):
         if isinstance(self.model, DistributedDataParallel) and not find_unused:
             self._unused = UnusedWatch(self.parts.local, self.model, self.name)
         if self.pipeline is not None:
-            self.pipeline.watch_backward(self.handover.output_watch)
+            self.pipeline.watch_outputs(self.handover.output_watch)
             for s, stage in sorted(self.pipeline.modules.items()):
                 LOGGER.info("pipeline stage %d: %s", s, ", ".join(layout_of(stage).layer_names))
         if optimizer is None:
