@@ -266,16 +266,27 @@ def test_a_non_finite_loss_is_caught_at_the_log_interval() -> None:
 def test_a_read_writes_its_metrics_after_the_update_it_checked() -> None:
     """The read itself comes before the update (a non-finite loss never reaches it); the
     writing of its metrics waits for the end of the step, so that on a GPU the update is
-    queued while the host writes."""
-    engine = dtrain.init(strategy="single", log_every=2)
+    queued while the host writes, and the gradient norm logged is the step's own (its
+    clipping comes after the read)."""
+    engine = dtrain.init(strategy="single", log_every=2, clip_grad_norm=1.0)
     model = DigitsMLP(hidden=4)
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     order: list[str] = []
+    norms: list[float] = []
     optimizer.register_step_post_hook(lambda *_: order.append("update"))
     log = engine.report.log
-    engine.report.log = lambda metrics, step: (order.append(f"log {step}"), log(metrics, step))
+
+    def logged(metrics: dict[str, float], step: int) -> None:
+        order.append(f"log {step}")
+        norms.append(metrics["train/grad_norm"])
+        log(metrics, step)
+
+    engine.report.log = logged
     batch = (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
-    for _ in range(4):
-        engine.train_step(batch, F.cross_entropy)
+    for step in range(1, 5):
+        engine.train_step((batch[0] * step, batch[1]), F.cross_entropy)
+        if step % 2 == 0:
+            assert norms[-1] == float(engine.grad_norm)
     assert order == ["update", "update", "log 2", "update", "update", "log 4"]
+    assert norms[0] != norms[1]
     engine.close()

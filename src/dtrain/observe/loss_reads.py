@@ -135,12 +135,17 @@ class LossReads(Observer):
         return loss
 
     def _settle(self) -> None:
-        """Write the last read's metrics, and turn the step marks it made ready into
-        seconds (the read waited for the device)."""
+        """Write the last read's metrics, with the gradient norm of the step it read (a
+        train_step clips after its read: hence at the step's end), and turn the step marks
+        the read made ready into seconds (it waited for the device)."""
         pending, self._pending = self._pending, None
         try:
             if pending is not None:
-                self.report.log(*pending)
+                metrics, step = pending
+                norm = float(self.grad_norm) if self.grad_norm is not None else math.nan
+                if math.isfinite(norm):  # sync ps clips on the servers, which keep the norm
+                    metrics["train/grad_norm"] = norm
+                self.report.log(metrics, step)
         finally:
             self.timer.collect()
 
@@ -151,7 +156,4 @@ class LossReads(Observer):
         }
         if optimizer is not None:
             metrics["train/lr"] = float(optimizer.param_groups[0]["lr"])
-        norm = float(self.grad_norm) if self.grad_norm is not None else math.nan
-        if math.isfinite(norm):  # sync ps clips on the servers, which keep the norm
-            metrics["train/grad_norm"] = norm
         return metrics
