@@ -42,10 +42,6 @@ def untouched(module: nn.Module, device: torch.device) -> Iterator[None]:
         setattr(owner, name, value)
 
 
-def _unwatched(_: torch.Tensor) -> None:
-    """No one watches the stage's backwards."""
-
-
 class TimedStage(PipelineStage):
     """A pipeline stage that adds up the time it computes (each micro-batch's forward and
     backward), so the idle time of the stage, and any imbalance between stages, can be
@@ -57,7 +53,7 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.watch: Callable[[torch.Tensor], object] = _unwatched
+        self.watch: Callable[[torch.Tensor], object] | None = None
 
     def _begin(self) -> Any:
         """The start of a timed run: a recorded CUDA event on a GPU, else the host time."""
@@ -88,7 +84,8 @@ class TimedStage(PipelineStage):
         start = self._begin()
         output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         self._end(start)
-        if self.chunks is not None and fwd_chunk_id == self.chunks - 1:  # the last backward
+        last = self.chunks is not None and fwd_chunk_id == self.chunks - 1  # last backward
+        if last and self.watch is not None:
             first = output[0] if isinstance(output, tuple | list) else output
             if isinstance(first, torch.Tensor):
                 self.watch(first)
