@@ -222,3 +222,46 @@ def test_the_strategys_figures_reach_the_metrics_of_any_script(
     engine.setup(model, None)
     engine.close()
     assert "measured by strategy" not in capsys.readouterr().out
+
+
+class Declining(Observer):
+    """Overrides two hooks and wants one of them."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def listens_to(self, event: str) -> bool:
+        return event != "on_grad_ready"
+
+    def on_step_start(self, step: int) -> None:
+        self.steps.append(step)
+
+    def on_grad_ready(self) -> None:
+        raise AssertionError("declined, yet told")
+
+
+@pytest.mark.parametrize("strategy", ["single", "towers"])
+def test_a_backward_is_watched_only_where_an_exchange_follows_autograds_pass(
+    strategy: str,
+) -> None:
+    """A watch costs a view and a hook on every backward: under single, whose backward ends
+    with autograd's pass, no one wants it (the timing's mark would equal the backward's
+    end) until an observer asks; towers sum their gradients after the pass, so the timing
+    watches it there."""
+    engine = dtrain.init(strategy=strategy, seed=0)
+    declining = Declining()
+    engine.observers.append(declining)
+    model = DigitsMLP(hidden=4)
+    engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loss = model(torch.randn(4, 64)).sum()
+    watched = engine.observers.watch_backward(loss) is not loss
+    assert watched == (strategy == "towers")
+    engine.train_step((torch.randn(4, 64), torch.randint(0, 10, (4,))), F.cross_entropy)
+    assert declining.steps == [1]
+
+    recorder = Recorder()
+    engine.observers.append(recorder)  # wants every backward's end: now it is watched
+    assert engine.observers.watch_backward(loss) is not loss
+    engine.train_step((torch.randn(4, 64), torch.randint(0, 10, (4,))), F.cross_entropy)
+    assert ("micro end", 1) in recorder.events
+    engine.close()

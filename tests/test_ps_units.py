@@ -189,7 +189,7 @@ def test_only_sync_rounds_without_backups_read_losses_collectively(
     """A collective loss read would hold a fast async worker to the slowest one's pace."""
     config = Config(strategy="ps", **{"nproc": 2, "servers": 1, **options})  # type: ignore[arg-type]
     where = Topology(0, config.nproc + 1, 0, config.nproc + 1, torch.device("cpu"), "gloo")
-    assert lookup("ps").build(config, where).placement.lockstep is lockstep
+    assert lookup("ps").build(config, where).placement.coupling.lockstep is lockstep
 
 
 def test_workers_run_the_script_and_servers_their_role() -> None:

@@ -83,7 +83,13 @@ def watchers(
     """The observers of one Engine, in the order `Observers` explains."""
     checkpoints = Checkpoints(strategy, position, scaling)
     report = RunReport(config, topology.is_main)
-    timing = RunTiming(config, topology.device, topology.is_main, strategy.spec.exchange_in_step)
+    timing = RunTiming(
+        config,
+        topology.device,
+        topology.is_main,
+        strategy.spec.exchange_in_step,
+        strategy.placement.coupling.exchange_after_backward,
+    )
     loss = LossReads(config.log_every, report, throughput, timing.timer)
     memory = MemoryReport(config.memory_report, topology.rank, topology.is_main)
     dp_size = strategy.placement.dp_size

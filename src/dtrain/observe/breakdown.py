@@ -171,61 +171,71 @@ class StepTimer:
                 self._open.clear()
             return
         done, nxt = self._open[:-1], self._open[-1]
-        marks: list[Mark] = []
-        for step in done:
-            marks.append(step.start)
-            for m in step.micros:
-                marks += [m.begin, m.forward, m.grad, m.end]
-                marks += [mark for pair in m.collectives for mark in pair]
-            marks += step.optimizer
-        marks.append(nxt.start)
-        present = [m for m in marks if m is not None]
-        seconds = dict(zip(map(id, present), self.clock.seconds(present), strict=True))
+        read = self.clock.reader(nxt.start)  # every mark of `done` came before it
 
         def at(mark: Mark | None) -> float | None:
-            return None if mark is None else seconds[id(mark)]
+            return None if mark is None else read(mark)
 
+        starts = [read(step.start) for step in done] + [read(nxt.start)]
         for i, step in enumerate(done):
-            following = done[i + 1].start if i + 1 < len(done) else nxt.start
-            self._resolve(step, at(step.start), at(following), at)
+            self._resolve(step, starts[i], starts[i + 1], at)
         self._open = [] if final else [nxt]
 
     def _resolve(
         self, step: _Step, start: float, end: float, at: Callable[[Mark | None], float | None]
     ) -> None:
-        parts = dict.fromkeys(PHASES, 0.0)
-        spans: list[tuple[str, float, float]] = []
+        forward = backward = communication = optimizer = data = 0.0
+        traced = self.trace_window is not None
+        spans: list[tuple[str, float, float]] = []  # kept for the trace only
         inner: list[tuple[str, float, float]] = []  # collectives inside forward / backward
         for m in step.micros:
-            begin, fwd, grad, stop = at(m.begin), at(m.forward), at(m.grad), at(m.end)
+            begin, stop = at(m.begin), at(m.end)
             if begin is None or stop is None:
                 continue
+            fwd, grad = at(m.forward), at(m.grad)
             fwd = begin if fwd is None else fwd
             ready = stop if grad is None else min(max(grad, fwd), stop)
-            spans += [("forward", begin, fwd), ("backward", fwd, ready)]
-            spans.append(("communication", ready, stop))
+            forward += max(0.0, fwd - begin)
+            backward += max(0.0, ready - fwd)
+            communication += max(0.0, stop - ready)
+            if traced:
+                spans += [("forward", begin, fwd), ("backward", fwd, ready)]
+                spans.append(("communication", ready, stop))
             for a, b in ((at(c[0]), at(c[1])) for c in m.collectives):
                 if a is not None and b is not None:
                     inner.append(("forward" if a < fwd else "backward", a, b))
         if len(step.optimizer) >= 2:
             o0, o1 = at(step.optimizer[0]), at(step.optimizer[-1])
-            name = "communication" if self.exchange_in_step else "optimizer"
-            spans.append((name, o0, o1))  # type: ignore[arg-type]
+            assert o0 is not None and o1 is not None
+            if self.exchange_in_step:
+                communication += max(0.0, o1 - o0)
+            else:
+                optimizer += max(0.0, o1 - o0)
+            if traced:
+                name = "communication" if self.exchange_in_step else "optimizer"
+                spans.append((name, o0, o1))
         if step.data is not None:
-            spans.append(("data", *step.data))
-        for name, a, b in spans:
-            parts[name] += max(0.0, b - a)
+            data = max(0.0, step.data[1] - step.data[0])
+            if traced:
+                spans.append(("data", *step.data))
         for name, a, b in inner:
-            moved = min(max(0.0, b - a), parts[name])
-            parts[name] -= moved
-            parts["communication"] += moved
-        spans += [("communication", a, b) for _, a, b in inner]
-        parts["step"] = end - start
-        parts["other"] = max(0.0, parts["step"] - sum(parts[p] for p in PHASES[:5]))
-        for name in PHASES:
-            self.times[name].append(parts[name])
+            taken = forward if name == "forward" else backward
+            moved = min(max(0.0, b - a), taken)
+            if name == "forward":
+                forward -= moved
+            else:
+                backward -= moved
+            communication += moved
+        parts = (data, forward, backward, communication, optimizer)
+        total = end - start
+        times = self.times
+        for name, seconds in zip(PHASES[:5], parts, strict=True):
+            times[name].append(seconds)
+        times["other"].append(max(0.0, total - sum(parts)))
+        times["step"].append(total)
         window = self.trace_window
         if window is not None and window[0] <= step.number - 1 < window[1]:
+            spans += [("communication", a, b) for _, a, b in inner]
             self.spans += [(n, step.number, a, b - a) for n, a, b in spans if b > a]
 
     def medians(self) -> dict[str, float] | None:

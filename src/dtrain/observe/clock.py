@@ -10,6 +10,7 @@ ranks were aligned, so marks of different ranks share one time line.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,9 +33,11 @@ class HostClock:
         """A mark for now (`again` is for the CUDA clock's reuse of an event)."""
         return time.perf_counter()
 
-    def seconds(self, marks: list[Mark]) -> list[float]:
-        """Each mark in seconds since the origin."""
-        return [m - self.origin for m in marks]
+    def reader(self, last: Mark) -> Callable[[Mark], float]:
+        """A function that turns a mark recorded no later than `last` into seconds since
+        the origin."""
+        origin = self.origin
+        return lambda mark: mark - origin
 
 
 class CudaClock(HostClock):
@@ -59,12 +62,12 @@ class CudaClock(HostClock):
         event.record()
         return event
 
-    def seconds(self, marks: list[Mark]) -> list[float]:
-        """Each event in seconds since the origin event; waits for the last of them, which
-        callers ask for only once it is known to be done."""
-        if marks:
-            marks[-1].synchronize()
-        return [self._origin_event.elapsed_time(m) / 1000.0 for m in marks]
+    def reader(self, last: Mark) -> Callable[[Mark], float]:
+        """As the host clock's; waits once for `last`, which callers ask for only once it
+        is known to be done."""
+        last.synchronize()
+        origin = self._origin_event
+        return lambda mark: origin.elapsed_time(mark) / 1000.0
 
 
 def clock_for(device: torch.device) -> HostClock:

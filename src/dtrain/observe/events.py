@@ -156,6 +156,13 @@ class Observer:
     def on_close(self, end: End) -> None:
         """The run ends; add to ``end.results`` what this observer reports."""
 
+    def listens_to(self, event: str) -> bool:
+        """Whether this observer wants `event` (the name of a hook it overrides), asked
+        once, as it joins the Engine's list: an observer with nothing to do on a hook in
+        this run says no, and the step's hot path loses the call (and, for
+        ``on_grad_ready``, the watch of every backward)."""
+        return True
+
 
 EVENTS = tuple(name for name in vars(Observer) if name.startswith("on_"))
 """The names of the hooks an observer may override."""
@@ -170,8 +177,9 @@ class Observers:
     report, whose work in its (first) step is then not timed as the step's; the summary
     last, as it reads what the others added to the results and writes them.
 
-    Each event calls only the observers that override its hook: the events run on the
-    step's hot path, where a call that does nothing still costs its time.
+    Each event calls only the observers that override its hook and want it
+    (`Observer.listens_to`): the events run on the step's hot path, where a call that
+    does nothing still costs its time.
     """
 
     def __init__(self, observers: list[Observer]) -> None:
@@ -187,9 +195,11 @@ class Observers:
         self._forwards: RemovableHandle | None = None
 
     def append(self, observer: Observer) -> None:
-        """Tell `observer` every event it overrides from now on, after the others."""
+        """Tell `observer` every event it overrides and wants from now on, after the
+        others."""
         for name, hooks in self._hooks.items():
-            if getattr(type(observer), name) is not getattr(Observer, name):
+            overridden = getattr(type(observer), name) is not getattr(Observer, name)
+            if overridden and observer.listens_to(name):
                 hooks.append(getattr(observer, name))
 
     def on_setup(self, run: Run) -> None:

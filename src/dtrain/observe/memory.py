@@ -102,6 +102,9 @@ class MemoryReport(Observer):
         self._gradients = 0
         self._watching = ExitStack()
 
+    def listens_to(self, event: str) -> bool:
+        return self.enabled or event in ("on_setup", "on_close")  # `report` needs the run
+
     def on_setup(self, run: Run) -> None:
         self._run = run
 

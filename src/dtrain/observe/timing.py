@@ -37,12 +37,21 @@ class RunTiming(Observer):
         device: where this rank computes (CUDA events there, host time otherwise).
         is_main: True on the rank that prints the breakdown at the end.
         exchange_in_step: the optimizer step is the gradient exchange (parameter servers).
+        exchange_after_backward: a backward goes on after autograd's pass (DDP's, FSDP's,
+            towers' or a pipeline's gradients): the pass's end is marked. Otherwise
+            backward ends with the pass, and no backward is watched.
     """
 
     def __init__(
-        self, config: Config, device: torch.device, is_main: bool, exchange_in_step: bool
+        self,
+        config: Config,
+        device: torch.device,
+        is_main: bool,
+        exchange_in_step: bool,
+        exchange_after_backward: bool,
     ) -> None:
         self.device = device
+        self.exchange_after_backward = exchange_after_backward
         self.is_main = is_main
         self.trace_path = Path(config.trace) if config.trace else None
         window = step_window(config.trace_steps) if self.trace_path else None
@@ -73,6 +82,9 @@ class RunTiming(Observer):
             cores=max(1, _cores() // max(1, local_processes)),
             unpinned=self.device.type == "cuda" and not getattr(loader, "pin_memory", False),
         )
+
+    def listens_to(self, event: str) -> bool:
+        return event != "on_grad_ready" or self.exchange_after_backward
 
     # -- the step events --------------------------------------------------------------
     def on_setup(self, run: Run) -> None:

@@ -211,7 +211,7 @@ class Strategy(CheckpointState):
         model whose own loss averages over them, counted over every data-parallel process
         where the step averages their gradients."""
         placement = self.placement
-        replicas = placement.dp_size if placement.averages_gradients else 1
+        replicas = placement.dp_size if placement.coupling.averages_gradients else 1
         return share_weights(shares, loss_fn, self.labels, placement.dp_group, replicas)
 
     def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: Weight) -> torch.Tensor:

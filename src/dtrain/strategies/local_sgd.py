@@ -77,7 +77,9 @@ class LocalSGD(Strategy):
         self.outer_lr = lr if config.outer_lr is None else config.outer_lr
         self.outer_momentum = momentum if config.outer_momentum is None else config.outer_momentum
         self.placement = replace(
-            self.placement, layout_text=self._layout_text(), averages_gradients=False
+            self.placement,
+            layout_text=self._layout_text(),
+            coupling=replace(self.placement.coupling, averages_gradients=False),
         )
         self.since_sync = 0
         """Optimizer steps taken since the last sync (the same on every replica)."""

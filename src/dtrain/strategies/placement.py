@@ -21,6 +21,23 @@ from dtrain.process.topology import Topology
 
 
 @dataclass(frozen=True)
+class Coupling:
+    """How tightly the training processes' steps and gradients are coupled."""
+
+    lockstep: bool = False
+    """True if every training process takes each step together (synchronous training), so
+    reads of per-step values can be collective over the training group."""
+    averages_gradients: bool = True
+    """True if a step applies the mean of the data-parallel processes' gradients; False
+    where each process steps on its own (local-sgd, asynchronous ps, backup workers)."""
+    exchange_after_backward: bool = False
+    """True if a backward goes on after autograd's pass to exchange or combine the
+    gradients (DDP's and FSDP's waits for their last buckets, towers' sums, a pipeline's
+    stages): the step breakdown then marks the pass's end and counts the rest as
+    communication; without one, backward ends with the pass and nothing is watched."""
+
+
+@dataclass(frozen=True)
 class Placement:
     """How the processes split the data and the model, as seen from this process."""
 
@@ -39,12 +56,8 @@ class Placement:
     train_group: dist.ProcessGroup | None = None
     """Every process that runs the training loop (barriers, per-rank records): the
     data-parallel processes unless model parallelism adds more (None: the default group)."""
-    lockstep: bool = False
-    """True if every training process takes each step together (synchronous training), so
-    reads of per-step values can be collective over `train_group`."""
-    averages_gradients: bool = True
-    """True if a step applies the mean of the data-parallel processes' gradients; False
-    where each process steps on its own (local-sgd, asynchronous ps, backup workers)."""
+    coupling: Coupling = Coupling()
+    """How the processes' steps and gradients come together."""
     micro_splits: int = 1
     """How many equal parts one process's batch is further split into (towers, pipeline
     micro-batches)."""
@@ -80,5 +93,5 @@ def replicas(topology: Topology, multiprocess: bool) -> Placement:
         devices=(topology.device,),
         dp_size=topology.world_size if multiprocess else 1,
         dp_rank=topology.rank if multiprocess else 0,
-        lockstep=multiprocess,
+        coupling=Coupling(lockstep=multiprocess),
     )

@@ -199,6 +199,8 @@ class Towers(Strategy):
             self.placement,
             input_device=self.param_device,
             devices=tuple(devices),
+            # The towers' gradients are summed after autograd's pass.
+            coupling=replace(self.placement.coupling, exchange_after_backward=True),
             micro_splits=len(devices),
         )
 

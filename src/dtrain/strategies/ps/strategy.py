@@ -33,6 +33,7 @@ from dtrain.process.logs import LOGGER
 from dtrain.process.topology import Topology
 from dtrain.step.batches import LossFn, Weight
 from dtrain.strategies.base import Strategy
+from dtrain.strategies.placement import Coupling
 from dtrain.strategies.ps import sharding, state_shards
 from dtrain.strategies.ps.client import Client
 from dtrain.strategies.ps.handshake import Description, handshake
@@ -63,8 +64,7 @@ class ParameterServer(Strategy):
             dp_size=self.workers,
             dp_rank=self.roles.index(topology.rank),
             splits_model=True,
-            lockstep=whole_rounds,
-            averages_gradients=whole_rounds,
+            coupling=Coupling(lockstep=whole_rounds, averages_gradients=whole_rounds),
         )
         """The workers' group (`dp_group`, `train_group`) exists once `setup`'s handshake
         made it; until then they are None."""
