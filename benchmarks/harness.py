@@ -11,7 +11,8 @@ import argparse
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -73,6 +74,74 @@ def timed_with_cpu(
         step(next(it))
     _settle()
     return time.perf_counter() - start, time.process_time() - cpu
+
+
+def per_step(
+    batches: Iterable[Any],
+    step: Callable[[Any], Any],
+    warmup: int,
+    steps: int,
+    windows: int = 10,
+    settle: bool = True,
+) -> float:
+    """Seconds per step: the median over `windows` equal windows of the `steps` calls of
+    step(batch) after `warmup` untimed ones, so that a window another job's burst slowed
+    does not move the figure. `settle`: wait for every rank before the first window and
+    after the last (False where the default group holds processes that do not step, such
+    as parameter servers)."""
+    it = iter(batches)
+    for _ in range(warmup):
+        step(next(it))
+    if settle:
+        _settle()
+    size = max(1, steps // windows)
+    times = []
+    for _ in range(max(1, steps // size)):
+        start = time.perf_counter()
+        for _ in range(size):
+            step(next(it))
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / size)
+    if settle:
+        _settle()
+    return statistics.median(times)
+
+
+@dataclass
+class Loop:
+    """A training loop ready to run: its batches and its step."""
+
+    batches: Iterator[Any]
+    step: Callable[[Any], Any]
+
+
+def interleaved(
+    peer: Loop, ours: Loop, warmup: int, steps: int, windows: int = 10
+) -> tuple[float, float]:
+    """(peer, ours) seconds per step, measured side by side in this process (and in step
+    on every rank): each loop warms up with `warmup` untimed steps, then they take turns,
+    `windows` windows of steps // windows steps each, the loop that goes first alternating;
+    each figure is the median of its windows. A burst of another job's work then slows a
+    window of one loop or the other and is left out of both medians, and a drift of the
+    machine's pace over the run hits both alike."""
+    for loop in (peer, ours):
+        for _ in range(warmup):
+            loop.step(next(loop.batches))
+    _settle()
+    size = max(1, steps // windows)
+    times: tuple[list[float], list[float]] = ([], [])
+    for window in range(windows):
+        turns = ((0, peer), (1, ours)) if window % 2 == 0 else ((1, ours), (0, peer))
+        for slot, loop in turns:
+            start = time.perf_counter()
+            for _ in range(size):
+                loop.step(next(loop.batches))
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            times[slot].append((time.perf_counter() - start) / size)
+    _settle()
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def pipeline_step(schedule: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -3,9 +3,12 @@
 The model is a stack of 16x16 linear layers and the global batch 8, so the compute is
 next to nothing and a step's time is the loops' own work: data, wrappers, hooks,
 collectives, optimizer, and what dtrain adds (observers, loss checks, progress bar,
-timing). Each strategy runs against its peer written by hand, alternating, in the same
-processes: microseconds per step of each and the median ratio dtrain / plain (goal:
-<= 1.05).
+timing). Each strategy runs against its peer written by hand, side by side in the same
+processes: both warm up, then take turns, 10 windows each (`harness.interleaved`); a
+loop's time per step is the median of its windows, so a burst of another job's work
+that slows a window is left out and a drift of the machine's pace hits both alike.
+Microseconds per step of each and the median ratio dtrain / plain over the repeats, each
+with fresh loops (goal: <= 1.05).
 
     single   one process, a plain loop
     towers   two towers in one process, against the plain loop of one
@@ -34,14 +37,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import alternate, arguments, launch, pipeline_step, report, timed
+from harness import (
+    Loop,
+    alternate,
+    arguments,
+    interleaved,
+    launch,
+    per_step,
+    pipeline_step,
+    report,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -133,12 +144,12 @@ def per_rank_batch(args: argparse.Namespace, strategy: str) -> int:
     return args.global_batch_size // dist.get_world_size()
 
 
-def plain_run(args: argparse.Namespace, strategy: str, data: TensorDataset) -> float:
-    """Microseconds per step of the loop written by hand."""
-    model, optimizer = plain_model(strategy, args.layers)
-    batch_size = per_rank_batch(args, strategy)
+def plain_loop(args: argparse.Namespace, strategy: str, data: TensorDataset) -> Loop:
+    """The loop written by hand."""
     if strategy == "pipeline":
         return plain_pipeline(args, data)
+    model, optimizer = plain_model(strategy, args.layers)
+    batch_size = per_rank_batch(args, strategy)
     if strategy in (*SINGLE, "tensor"):
         loader = DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True)
     else:
@@ -151,11 +162,11 @@ def plain_run(args: argparse.Namespace, strategy: str, data: TensorDataset) -> f
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return timed(loader, step, args.warmup, args.steps) / args.steps * 1e6
+    return Loop(iter(loader), step)
 
 
-def plain_pipeline(args: argparse.Namespace, data: TensorDataset) -> float:
-    """Microseconds per step of a pipeline written by hand with torch.distributed.pipelining."""
+def plain_pipeline(args: argparse.Namespace, data: TensorDataset) -> Loop:
+    """A pipeline written by hand with torch.distributed.pipelining."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     torch.manual_seed(0)
@@ -173,17 +184,13 @@ def plain_pipeline(args: argparse.Namespace, data: TensorDataset) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return timed(loader, step, args.warmup, args.steps) / args.steps * 1e6
+    return Loop(iter(loader), step)
 
 
-def dtrain_run(
-    args: argparse.Namespace,
-    strategy: str,
-    data: TensorDataset,
-    clock: Callable[[Any, Callable[[Any], Any], int, int], float] = timed,
-) -> float:
-    """Microseconds per step of the same job through dtrain (its progress bar included),
-    timed by `clock` (`harness.timed`'s signature)."""
+def dtrain_loop(
+    args: argparse.Namespace, strategy: str, data: TensorDataset
+) -> tuple[Loop, Callable[[], None]]:
+    """The same job through dtrain (its progress bar included), and what ends it."""
     options: dict[str, Any] = {"towers": 2} if strategy == "towers" else {}
     if strategy == "pipeline":
         options["microbatches"] = MICROBATCHES
@@ -209,10 +216,24 @@ def dtrain_run(
         def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
             engine.train_step(batch, F.cross_entropy)
 
-    seconds = clock(batches, step, args.warmup, args.steps)
-    batches.close()
-    engine.strategy.close()
-    return seconds / args.steps * 1e6
+    def end() -> None:
+        batches.close()
+        engine.strategy.close()
+
+    return Loop(batches, step), end
+
+
+def side_by_side(
+    args: argparse.Namespace, strategy: str, data: TensorDataset
+) -> tuple[float, float]:
+    """(plain, dtrain) microseconds per step of one repeat: fresh loops, interleaved."""
+    peer = plain_loop(args, strategy, data)
+    ours, end = dtrain_loop(args, strategy, data)
+    try:
+        plain, dtrain_seconds = interleaved(peer, ours, args.warmup, args.steps, args.windows)
+    finally:
+        end()
+    return plain * 1e6, dtrain_seconds * 1e6
 
 
 def worker(args: argparse.Namespace, strategies: list[str]) -> dict[str, list[tuple[float, float]]]:
@@ -221,32 +242,22 @@ def worker(args: argparse.Namespace, strategies: list[str]) -> dict[str, list[tu
     dist.init_process_group("gloo")
     data = make_data((args.warmup + args.steps + 1) * args.global_batch_size)
     return {
-        strategy: alternate(
-            args.repeats,
-            lambda s=strategy: plain_run(args, s, data),
-            lambda s=strategy: dtrain_run(args, s, data),
-        )
+        strategy: [side_by_side(args, strategy, data) for _ in range(args.repeats)]
         for strategy in strategies
     }
-
-
-def worker_clock(batches: Any, step: Callable[[Any], Any], warmup: int, steps: int) -> float:
-    """`harness.timed` for a parameter-server worker, whose default group holds the
-    servers too: no barrier (the synchronous server keeps the workers in step)."""
-    it = iter(batches)
-    for _ in range(warmup):
-        step(next(it))
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(next(it))
-    return time.perf_counter() - start
 
 
 def ps_side(args: argparse.Namespace) -> float:
     """Microseconds per step of a ps worker (under `dtrain.launch`)."""
     torch.set_num_threads(args.threads)
     data = make_data((args.warmup + args.steps + 1) * args.global_batch_size)
-    return dtrain_run(args, "ps", data, worker_clock)
+    ours, end = dtrain_loop(args, "ps", data)
+    try:
+        # The default group holds the servers too: no barrier (the synchronous server keeps
+        # the workers in step).
+        return per_step(ours.batches, ours.step, args.warmup, args.steps, settle=False) * 1e6
+    finally:
+        end()
 
 
 def ps_peer(args: argparse.Namespace) -> float:
@@ -254,7 +265,8 @@ def ps_peer(args: argparse.Namespace) -> float:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     data = make_data((args.warmup + args.steps + 1) * args.global_batch_size)
-    return plain_run(args, "ddp", data)
+    peer = plain_loop(args, "ddp", data)
+    return per_step(peer.batches, peer.step, args.warmup, args.steps) * 1e6
 
 
 def ps_pairs(args: argparse.Namespace) -> list[tuple[float, float]]:
@@ -274,6 +286,9 @@ def main() -> None:
         "--layers", type=int, default=LAYERS, help="linear layers (2 parameter tensors each)"
     )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"some of {STRATEGIES}")
+    parser.add_argument(
+        "--windows", type=int, default=10, help="timed windows per loop and repeat (turns)"
+    )
     args = parser.parse_args()
     chosen = args.strategies.split(",")
     unknown = set(chosen) - set(STRATEGIES)

@@ -164,6 +164,41 @@ def test_a_backward_marks_its_gradients_once_the_last_record_winning() -> None:
     assert list(timer.times["communication"]) == [1.0, 0.0]
 
 
+def test_the_first_steps_then_a_spread_quarter_are_timed_alike_on_every_rank() -> None:
+    """A step that is not timed records no mark (on a GPU, no CUDA event) and costs the
+    host only the check; the medians come from the steps that are. Every step of the
+    trace window is timed."""
+
+    def run(trace_window: tuple[int, int] | None = None) -> tuple[StepTimer, TickClock]:
+        clock = TickClock()
+        timer = StepTimer(clock, trace_window=trace_window)
+        for number in range(1, 1001):
+            timer.begin_step(number)
+            timer.begin_micro()
+            timer.forward_done()
+            timer.end_micro()
+            timer.optimizer_mark()
+            timer.optimizer_mark()
+            timer.data_wait(0.0, 0.0)
+            if number % 10 == 0:
+                timer.collect()  # as the loss reads do
+        timer.collect(final=True)
+        return timer, clock
+
+    timer, clock = run()
+    timed = len(timer.times["step"])
+    assert 20 + 0.2 * 980 < timed < 20 + 0.3 * 980
+    # A timed step: 6 marks (the next step's start ends it); an untimed one none, unless
+    # it ends a timed one.
+    assert clock.ticks < 7 * timed + 1
+    assert all(len(timer.times[p]) == timed for p in PHASES)
+    again, _ = run()
+    assert list(again.times["step"]) == list(timer.times["step"])  # the same steps
+    traced, _ = run(trace_window=(500, 600))
+    assert len(traced.times["step"]) >= timed + 100 * 0.7
+    assert {s[1] for s in traced.spans} == set(range(501, 601))
+
+
 class _Ready(Observer):
     def __init__(self, order: list[str], params: list[nn.Parameter]) -> None:
         self.order, self.params = order, params

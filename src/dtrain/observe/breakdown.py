@@ -37,6 +37,19 @@ PHASES = ("data", "forward", "backward", "communication", "optimizer", "other", 
 KEPT_STEPS = 10_000
 """Steps whose times are kept for the medians (the most recent ones)."""
 
+TIMED_FIRST = 20
+"""Every one of a timer's first steps is timed."""
+
+TIMED_SHARE = 0.25
+"""The share of the later steps that are timed: the breakdown is made of medians, which a
+sample estimates as well as every step would, and a step that is not timed costs the
+host nothing but the check (on a GPU, no CUDA event recorded)."""
+
+_GOLDEN = (5**0.5 - 1) / 2
+"""Step n is timed when frac(n x this) < TIMED_SHARE: a quarter of the steps, spread
+evenly with no period (so no rhythm of the loop, such as a loss read every 10 steps or a
+checkpoint every 100, is over- or under-represented), the same steps on every rank."""
+
 Span = tuple[str, int, float, float]
 """(phase, optimizer step, start, duration), seconds on the aligned clock."""
 
@@ -63,6 +76,8 @@ class _Step:
     optimizer: list[Mark] = field(default_factory=list)
     data: tuple[float, float] | None = None
     """Host seconds (since the origin) of the wait for the next step's batch."""
+    end: Mark | None = None
+    """The start of the step after it."""
 
 
 def warmup_steps(count: int) -> int:
@@ -72,7 +87,9 @@ def warmup_steps(count: int) -> int:
 
 
 class StepTimer:
-    """The marks of the running steps and the seconds of the finished ones.
+    """The marks of the running step and the seconds of the finished ones: every one of
+    the first TIMED_FIRST steps, then a TIMED_SHARE of the steps (and every step of the
+    trace window).
 
     Args:
         clock: where marks come from.
@@ -94,7 +111,12 @@ class StepTimer:
         """Seconds of each finished step, by phase (``other`` is per step too)."""
         self.spans: list[Span] = []
         """Spans of the traced steps."""
-        self._open: list[_Step] = []
+        self._running: _Step | None = None
+        """The step running now, if it is timed."""
+        self._done: list[_Step] = []
+        """Timed steps that ended, not yet resolved."""
+        self._begun = 0
+        """Steps begun."""
         self._micro: _Micro | None = None
 
     # -- marks (the hot path: no host synchronisation) ----------------------------------
@@ -108,8 +130,26 @@ class StepTimer:
 
     def begin_step(self, number: int) -> None:
         """Step `number` (1-based) starts now; the step before it ends here."""
-        self._open.append(_Step(number, self.clock.mark()))
+        self._begun += 1
         self._micro = None  # a forward whose backward never came ends with its step
+        running, timed = self._running, self._timed(number)
+        if running is None and not timed:
+            return
+        now = self.clock.mark()
+        if running is not None:
+            running.end = now
+            self._done.append(running)
+        self._running = _Step(number, now) if timed else None
+
+    def _timed(self, number: int) -> bool:
+        """Whether step `number` is timed."""
+        if self._begun <= TIMED_FIRST or self._traced(number):
+            return True
+        return (number * _GOLDEN) % 1.0 < TIMED_SHARE
+
+    def _traced(self, number: int) -> bool:
+        window = self.trace_window
+        return window is not None and window[0] <= number - 1 < window[1]
 
     @property
     def in_micro(self) -> bool:
@@ -118,9 +158,9 @@ class StepTimer:
 
     def begin_micro(self) -> None:
         """A micro-batch's forward starts now."""
-        if self._open:
+        if self._running is not None:
             self._micro = _Micro(self.clock.mark())
-            self._open[-1].micros.append(self._micro)
+            self._running.micros.append(self._micro)
 
     def forward_done(self) -> None:
         """The micro-batch's loss is computed; backward starts."""
@@ -145,41 +185,36 @@ class StepTimer:
 
     def optimizer_mark(self) -> None:
         """The optimizer phase starts (first call of a step) or ends (second call)."""
-        if self._open:
-            self._open[-1].optimizer.append(self.clock.mark())
+        if self._running is not None:
+            self._running.optimizer.append(self.clock.mark())
 
     def data_wait(self, start: float, end: float) -> None:
         """The loop waited from host time `start` to `end` (``time.perf_counter``) for the
         next batch: counted in the step now running, which that wait delays."""
-        if self._open:
+        if self._running is not None:
             origin = self.clock.origin
-            self._open[-1].data = (start - origin, end - origin)
+            self._running.data = (start - origin, end - origin)
 
     # -- resolving, where the host waits anyway ------------------------------------------
     def collect(self, final: bool = False) -> None:
-        """Turn every finished step's marks into seconds; with `final`, end the last step
-        now too (at the end of the run)."""
-        if final and self._open:
-            last = self._open[-1]
-            if not (last.micros or last.optimizer):
-                # After a hand-written loop's last optimizer step: no step's work, no step.
-                self._open.pop()
-            if self._open:
-                self.begin_step(-1)  # the end of the last step
-        if len(self._open) < 2:
-            if final:
-                self._open.clear()
+        """Turn every finished step's marks into seconds; with `final`, end the running
+        step now too (at the end of the run)."""
+        if final:
+            last, self._running = self._running, None
+            # After a hand-written loop's last optimizer step: no step's work, no step.
+            if last is not None and (last.micros or last.optimizer):
+                last.end = self.clock.mark()
+                self._done.append(last)
+        done, self._done = self._done, []
+        if not done:
             return
-        done, nxt = self._open[:-1], self._open[-1]
-        read = self.clock.reader(nxt.start)  # every mark of `done` came before it
+        read = self.clock.reader(done[-1].end)  # every mark of `done` came before it
 
         def at(mark: Mark | None) -> float | None:
             return None if mark is None else read(mark)
 
-        starts = [read(step.start) for step in done] + [read(nxt.start)]
-        for i, step in enumerate(done):
-            self._resolve(step, starts[i], starts[i + 1], at)
-        self._open = [] if final else [nxt]
+        for step in done:
+            self._resolve(step, read(step.start), read(step.end), at)
 
     def _resolve(
         self, step: _Step, start: float, end: float, at: Callable[[Mark | None], float | None]
@@ -233,13 +268,12 @@ class StepTimer:
             times[name].append(seconds)
         times["other"].append(max(0.0, total - sum(parts)))
         times["step"].append(total)
-        window = self.trace_window
-        if window is not None and window[0] <= step.number - 1 < window[1]:
+        if self._traced(step.number):
             spans += [("communication", a, b) for _, a, b in inner]
             self.spans += [(n, step.number, a, b - a) for n, a, b in spans if b > a]
 
     def medians(self) -> dict[str, float] | None:
-        """Seconds per step by phase: medians over the finished steps after warm-up, with
+        """Seconds per step by phase: medians over the timed steps after warm-up, with
         ``other`` what the step's median leaves after the parts (so they add up); None
         before two steps have finished."""
         count = len(self.times["step"])
