@@ -129,7 +129,8 @@ def interleaved(
         for _ in range(warmup):
             loop.step(next(loop.batches))
     _settle()
-    size = max(1, steps // windows)
+    windows = max(1, min(windows, steps))
+    size = steps // windows
     times: tuple[list[float], list[float]] = ([], [])
     for window in range(windows):
         turns = ((0, peer), (1, ours)) if window % 2 == 0 else ((1, ours), (0, peer))

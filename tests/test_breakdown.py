@@ -187,6 +187,13 @@ def test_the_first_steps_then_a_spread_quarter_are_timed_alike_on_every_rank() -
 
     timer, clock = run()
     timed = len(timer.times["step"])
+    untimed = StepTimer(TickClock())
+    for number in range(1, 60):  # a micro-batch opens and closes on untimed steps too
+        untimed.begin_step(number)
+        untimed.begin_micro()
+        assert untimed.in_micro
+        untimed.end_micro()
+        assert not untimed.in_micro
     assert 20 + 0.2 * 980 < timed < 20 + 0.3 * 980
     # A timed step: 6 marks (the next step's start ends it); an untimed one none, unless
     # it ends a timed one.
@@ -197,6 +204,18 @@ def test_the_first_steps_then_a_spread_quarter_are_timed_alike_on_every_rank() -
     traced, _ = run(trace_window=(500, 600))
     assert len(traced.times["step"]) >= timed + 100 * 0.7
     assert {s[1] for s in traced.spans} == set(range(501, 601))
+    # The medians come from the sampled steps only: the first and the traced ones that are
+    # not in the sample (here slower, and most of the timed steps) weigh nothing once 20
+    # sampled ones ran.
+    clock = TickClock()
+    slow = StepTimer(clock, trace_window=(100, 900))
+    for number in range(1, 1001):
+        slow.begin_step(number)  # the clock reads the step's start
+        sampled = (number * (5**0.5 - 1) / 2) % 1.0 < 0.25  # the rule docs/timing.md gives
+        clock.ticks += 1 if sampled else 100
+    slow.collect(final=True)
+    medians = slow.medians()
+    assert medians is not None and medians["step"] < 10
 
 
 class _Ready(Observer):
@@ -343,3 +362,24 @@ def test_a_loop_without_progress_still_reports_samples_per_second(tmp_path: Path
     result = json.loads(metrics.read_text())
     median_step = result["breakdown"][0]["step"]
     assert result["samples_per_second"] == pytest.approx(16 / median_step)
+
+
+def test_a_loop_calling_its_model_twice_counts_its_batch_once_on_untimed_steps_too(
+    tmp_path: Path,
+) -> None:
+    """A hand-written step's samples are those of the model's first call before its
+    backward (a second call, as a siamese or an auxiliary forward makes, opens nothing),
+    whether the step is timed or not: 41 steps end on an untimed one."""
+    metrics = tmp_path / "metrics.json"
+    engine = dtrain.init(strategy="single", seed=0, metrics_json=str(metrics))
+    model = nn.Linear(64, 10)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    for _ in range(41):
+        loss = F.cross_entropy(model(x), y) + F.cross_entropy(model(x.flip(0)), y.flip(0))
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.close()
+    result = json.loads(metrics.read_text())
+    assert result["steps"] == 41 and result["global_batch_size"] == 16

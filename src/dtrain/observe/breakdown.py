@@ -38,7 +38,11 @@ KEPT_STEPS = 10_000
 """Steps whose times are kept for the medians (the most recent ones)."""
 
 TIMED_FIRST = 20
-"""Every one of a timer's first steps is timed."""
+"""Every one of a timer's first steps is timed (a short run still has its breakdown)."""
+
+ENOUGH_SAMPLED = 20
+"""Sampled steps (after warm-up) from which on the medians take only them: the first steps,
+often slower, then weigh no more than their share of the run."""
 
 TIMED_SHARE = 0.25
 """The share of the later steps that are timed: the breakdown is made of medians, which a
@@ -118,6 +122,12 @@ class StepTimer:
         self._begun = 0
         """Steps begun."""
         self._micro: _Micro | None = None
+        """The timed micro-batch running now."""
+        self._in_micro = False
+        """A micro-batch runs now (timed or not)."""
+        self._sampled: deque[bool] = deque(maxlen=KEPT_STEPS)
+        """Whether each step in `times` was sampled (timed for the sample, not for being
+        among the first or traced)."""
 
     # -- marks (the hot path: no host synchronisation) ----------------------------------
     def grad_ready(self) -> None:
@@ -132,6 +142,7 @@ class StepTimer:
         """Step `number` (1-based) starts now; the step before it ends here."""
         self._begun += 1
         self._micro = None  # a forward whose backward never came ends with its step
+        self._in_micro = False
         running, timed = self._running, self._timed(number)
         if running is None and not timed:
             return
@@ -143,9 +154,7 @@ class StepTimer:
 
     def _timed(self, number: int) -> bool:
         """Whether step `number` is timed."""
-        if self._begun <= TIMED_FIRST or self._traced(number):
-            return True
-        return (number * _GOLDEN) % 1.0 < TIMED_SHARE
+        return self._begun <= TIMED_FIRST or self._traced(number) or _sampled(number)
 
     def _traced(self, number: int) -> bool:
         window = self.trace_window
@@ -153,11 +162,12 @@ class StepTimer:
 
     @property
     def in_micro(self) -> bool:
-        """True between a micro-batch's begin and its end."""
-        return self._micro is not None
+        """True between a micro-batch's begin and its end (timed or not)."""
+        return self._in_micro
 
     def begin_micro(self) -> None:
         """A micro-batch's forward starts now."""
+        self._in_micro = True
         if self._running is not None:
             self._micro = _Micro(self.clock.mark())
             self._running.micros.append(self._micro)
@@ -169,6 +179,7 @@ class StepTimer:
 
     def end_micro(self) -> None:
         """The micro-batch's backward (with its gradient synchronisation) returned."""
+        self._in_micro = False
         if self._micro is not None:
             self._micro.end = self.clock.mark()
             self._micro = None
@@ -220,7 +231,7 @@ class StepTimer:
         self, step: _Step, start: float, end: float, at: Callable[[Mark | None], float | None]
     ) -> None:
         forward = backward = communication = optimizer = data = 0.0
-        traced = self.trace_window is not None
+        traced = self._traced(step.number)
         spans: list[tuple[str, float, float]] = []  # kept for the trace only
         inner: list[tuple[str, float, float]] = []  # collectives inside forward / backward
         for m in step.micros:
@@ -268,18 +279,30 @@ class StepTimer:
             times[name].append(seconds)
         times["other"].append(max(0.0, total - sum(parts)))
         times["step"].append(total)
-        if self._traced(step.number):
+        self._sampled.append(_sampled(step.number))
+        if traced:
             spans += [("communication", a, b) for _, a, b in inner]
             self.spans += [(n, step.number, a, b - a) for n, a, b in spans if b > a]
 
     def medians(self) -> dict[str, float] | None:
-        """Seconds per step by phase: medians over the timed steps after warm-up, with
-        ``other`` what the step's median leaves after the parts (so they add up); None
-        before two steps have finished."""
+        """Seconds per step by phase: medians over the timed steps after warm-up (only the
+        sampled ones once there are ENOUGH_SAMPLED of them), with ``other`` what the
+        step's median leaves after the parts (so they add up); None before two steps have
+        finished."""
         count = len(self.times["step"])
         if count < 2:
             return None
-        skip = warmup_steps(count)
-        median = {p: statistics.median(list(self.times[p])[skip:]) for p in PHASES}
+        kept = range(warmup_steps(count), count)
+        sampled = [i for i in kept if self._sampled[i]]
+        rows = sampled if len(sampled) >= ENOUGH_SAMPLED else kept
+        median = {}
+        for p in PHASES:
+            times = list(self.times[p])
+            median[p] = statistics.median(times[i] for i in rows)
         median["other"] = max(0.0, median["step"] - sum(median[p] for p in PHASES[:5]))
         return median
+
+
+def _sampled(number: int) -> bool:
+    """Whether step `number` is one of the TIMED_SHARE the breakdown samples."""
+    return (number * _GOLDEN) % 1.0 < TIMED_SHARE

@@ -158,9 +158,11 @@ class Observer:
 
     def listens_to(self, event: str) -> bool:
         """Whether this observer wants `event` (the name of a hook it overrides), asked
-        once, as it joins the Engine's list: an observer with nothing to do on a hook in
-        this run says no, and the step's hot path loses the call (and, for
-        ``on_grad_ready``, the watch of every backward)."""
+        once, as it joins the Engine's list (for observers given to the Engine when it is
+        built, before `on_setup`: the answer must depend only on what the observer was
+        built with): an observer with nothing to do on a hook in this run says no, and
+        the step's hot path loses the call (and, for ``on_grad_ready``, the watch of every
+        backward)."""
         return True
 
 

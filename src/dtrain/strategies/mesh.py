@@ -108,9 +108,10 @@ class MeshStrategy(Strategy):
             dp_rank=self.mesh.dp_rank,
             dp_group=self.mesh.dp_group,
             train_group=None,  # the stages and tensor-parallel ranks train too: every rank
+            # DDP's and FSDP's waits (FSDP's also on one rank), a pipeline's stages.
             coupling=replace(
                 self.placement.coupling,
-                exchange_after_backward=d.dp_enabled or d.cp_enabled or d.pp_enabled,
+                exchange_after_backward=sharded or d.dp_enabled or d.cp_enabled or d.pp_enabled,
             ),
             micro_splits=microbatches(self.config, d.pp) if d.pp_enabled else 1,
             splits_model=parts or d.ep_enabled,
