@@ -113,6 +113,37 @@ def ranks_losses() -> dict[str, Any]:
     return {"read": read, "mean": sum(everyone) / 2, "error": str(error.value), "steps": steps}
 
 
+def copies_read(strategy: str, **options: Any) -> dict[str, Any]:
+    """Under a layout whose ranks all hold the batch's loss (tensor, pipeline: dp 1), a
+    read's collectives (none: every rank reads its own copy) and the losses it read on
+    this rank against those the steps returned."""
+    from dtrain.models.gpt import GPT, SIZES, lm_loss
+
+    engine = dtrain.init(strategy=strategy, seed=0, log_every=1000, **options)
+    model = GPT(SIZES["tiny"])
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tokens = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
+    returned = [engine.train_step((tokens[:, :-1], tokens[:, 1:]), lm_loss) for _ in range(3)]
+    collectives = 0
+    original = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal collectives
+        collectives += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        read = engine.check_loss()
+    finally:
+        dist.all_reduce = original
+    everyone: list[Any] = [None] * 2
+    dist.all_gather_object(everyone, returned[-1].item())
+    del model, optimizer
+    finish(engine, close=False)
+    return {"collectives": collectives, "read": read, "returned": everyone}
+
+
 class SkipsALayer(nn.Module):
     """Two layers; `skip` leaves the second out of the loss."""
 
@@ -157,6 +188,10 @@ def two_process_reads() -> dict[str, Any]:
         "zero3": count_reads("zero3", 10, 0.5, close=False),
         "losses": ranks_losses(),
         "unused": unused_refusals(),
+        "copies": {
+            "tensor": copies_read("tensor"),
+            "pipeline": copies_read("pipeline", microbatches=2),
+        },
         "files": {
             name: step_files(close=i == len(TWO_PROCESS_STEPS) - 1, strategy=name, **options)
             for i, (name, options) in enumerate(TWO_PROCESS_STEPS.items())
@@ -176,6 +211,20 @@ def test_two_processes_read_the_loss_once_per_log_interval(
     strategy: str, two_processes: list[dict[str, Any]]
 ) -> None:
     assert [reads[strategy] for reads in two_processes] == [STEPS // 10] * 2
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["tensor", "pipeline"])
+def test_ranks_holding_copies_of_the_loss_read_it_without_a_collective(
+    strategy: str, two_processes: list[dict[str, Any]]
+) -> None:
+    """Tensor-parallel ranks and pipeline stages all hold the batch's loss: a read is the
+    rank's own, the same on both, and what the last step returned."""
+    reads = [result["copies"][strategy] for result in two_processes]
+    assert [r["collectives"] for r in reads] == [0, 0]
+    for r in reads:
+        assert r["returned"][0] == pytest.approx(r["returned"][1], rel=1e-6)
+        assert r["read"] == pytest.approx(r["returned"][0], rel=1e-6)
 
 
 def test_one_step_opens_at_most_six_files_in_one_process() -> None:

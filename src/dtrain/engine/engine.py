@@ -149,8 +149,17 @@ class Engine(JobView, DataSide, CheckpointSide):
                 self.loss_scaling.wrap_step(optimizer, self._skipped_step)
         placement = self.strategy.placement
         module = self.strategy.unwrap()
-        lockstep = placement.coupling.lockstep
-        self.observers.on_setup(Run(module, self.model, optimizer, placement.train_group, lockstep))
+        coupling = placement.coupling
+        self.observers.on_setup(
+            Run(
+                module,
+                self.model,
+                optimizer,
+                placement.train_group,
+                coupling.lockstep,
+                coupling.loss_group,
+            )
+        )
         if folder is not None:
             self.load(folder)
         said = banner(self.strategy, self.world_size, optimizer, kind)

@@ -61,6 +61,11 @@ class Run:
         group: every process of the training loop (collectives at the end of the run).
         lockstep: every training process takes each step together, so per-step reads
             may be collective over `group`.
+        loss_group: the processes whose losses differ (each computed other samples: the
+            data-parallel ones, with context parallelism their context ranks too), over
+            which a per-step read of the loss is collective; None: `group`. Where it holds
+            one process, every rank's loss is the global batch's already (tensor and
+            pipeline ranks hold copies), and a read needs no collective.
     """
 
     module: nn.Module
@@ -68,6 +73,7 @@ class Run:
     optimizer: torch.optim.Optimizer | None
     group: dist.ProcessGroup | None
     lockstep: bool
+    loss_group: dist.ProcessGroup | None = None
 
 
 @dataclass

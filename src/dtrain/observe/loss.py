@@ -74,6 +74,8 @@ class LossWatch:
             ]
             if bad:  # else finite losses whose sum overflowed
                 step, rank, value = min(bad, key=lambda b: b[:2])
+                if distributed and group is not None:
+                    rank = dist.get_global_rank(group, rank)
                 raise NonFiniteLossError(step, value, rank if distributed else None)
         # Every rank's share is the same size, so the mean of their means is the loss of the
         # global batch (what `single` shows); ranks holding copies (tp, pp) count alike.

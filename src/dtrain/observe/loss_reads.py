@@ -111,17 +111,20 @@ class LossReads(Observer):
             self.read()
 
     def read(self, later: bool = False) -> float | None:
-        """Read the watched loss back from the device (a collective over the training
-        processes when they step in lockstep) and log it (with `later`, at the end of the
-        step); on a non-finite loss, clear the gradients and raise."""
+        """Read the watched loss back from the device (a collective over the processes
+        whose losses differ, `Run.loss_group`, when they step in lockstep) and log it
+        (with `later`, at the end of the step); on a non-finite loss, clear the gradients
+        and raise."""
         run = self._run
         optimizer = run.optimizer if run is not None else None
+        group, distributed = None, False
+        if run is not None and run.lockstep and dist.is_initialized():
+            group = run.group if run.loss_group is None else run.loss_group
+            distributed = dist.get_world_size(group) > 1
         watch = self.watch
         fresh = watch.unread
         try:
-            loss = watch.read(
-                run.group if run else None, bool(run and run.lockstep) and dist.is_initialized()
-            )
+            loss = watch.read(group, distributed)
         except NonFiniteLossError:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)

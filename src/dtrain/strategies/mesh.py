@@ -112,6 +112,8 @@ class MeshStrategy(Strategy):
             coupling=replace(
                 self.placement.coupling,
                 exchange_after_backward=sharded or d.dp_enabled or d.cp_enabled or d.pp_enabled,
+                # Tensor-parallel ranks and pipeline stages hold copies of the loss.
+                loss_group=self.mesh.grad_group,
             ),
             micro_splits=microbatches(self.config, d.pp) if d.pp_enabled else 1,
             splits_model=parts or d.ep_enabled,

@@ -35,6 +35,9 @@ class Coupling:
     gradients (DDP's and FSDP's waits for their last buckets, towers' sums, a pipeline's
     stages): the step breakdown then marks the pass's end and counts the rest as
     communication; without one, backward ends with the pass and nothing is watched."""
+    loss_group: dist.ProcessGroup | None = None
+    """The processes whose losses differ (each computed other samples), over which a
+    loss read in lockstep is collective; None: the training group."""
 
 
 @dataclass(frozen=True)
