@@ -305,9 +305,10 @@ class Engine(JobView, DataSide, CheckpointSide):
         self.report.log(metrics, self.step if step is None else step)
 
     def check_loss(self) -> float | None:
-        """The last loss, read back now (a collective under synchronous strategies: call it
-        on every rank); raises NonFiniteLossError if a loss since the last read was NaN or
-        infinite. The Engine calls it every ``log_every`` steps and before checkpoints."""
+        """The last loss, read back now (under synchronous strategies a collective over the
+        data-parallel ranks: call it on every rank); raises NonFiniteLossError if a loss
+        since the last read was NaN or infinite. The Engine calls it every ``log_every``
+        steps and before checkpoints."""
         self._require_setup("engine.check_loss")
         return self._loss.read()
 

@@ -45,7 +45,7 @@ class LossWatch:
     def read(self, group: dist.ProcessGroup | None, distributed: bool) -> float | None:
         """The last loss of the global batch (the mean over `group`'s ranks when
         `distributed`, a collective), read back in one transfer; a NonFiniteLossError on
-        every rank if any rank's loss since the last read was NaN or infinite.
+        every rank of `group` if any of their losses since the last read was NaN or infinite.
 
         The ranks' losses are summed by one all-reduce (a NaN or an infinity anywhere
         makes its step's sum non-finite on every rank); only then are they gathered, to
@@ -78,7 +78,8 @@ class LossWatch:
                     rank = dist.get_global_rank(group, rank)
                 raise NonFiniteLossError(step, value, rank if distributed else None)
         # Every rank's share is the same size, so the mean of their means is the loss of the
-        # global batch (what `single` shows); ranks holding copies (tp, pp) count alike.
+        # global batch (what `single` shows); ranks holding copies of the loss (tensor,
+        # pipeline) are not in `group`: each reads its own.
         self.last = sums[-1] / ranks
         self.interval = (sum(sums) / (ranks * len(sums)), len(sums))
         return self.last

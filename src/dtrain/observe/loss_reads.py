@@ -1,7 +1,7 @@
-"""The Engine's loss reads: the watched loss read back at the log interval (a collective
-under synchronous strategies), the non-finite check, the training scalars of the metric
-logs written at each read (a train_step's at the end of its step), and at the end a loss
-that jumped up named (loss_jump.py)."""
+"""The Engine's loss reads: the watched loss read back at the log interval (under
+synchronous strategies a collective over the ranks whose losses differ), the non-finite
+check, the training scalars of the metric logs written at each read (a train_step's at
+the end of its step), and at the end a loss that jumped up named (loss_jump.py)."""
 
 from __future__ import annotations
 
