@@ -245,9 +245,10 @@ class MeshStrategy(Strategy):
     def forward_backward(self, batch: Any, loss_fn: LossFn | None, scale: Weight) -> torch.Tensor:
         """Under a pipeline, the schedule runs every stage's forward and backward over
         the micro-batches (an (inputs, targets) pair with `loss_fn`, or a dict batch of a
-        model that computes its own loss: `dtrain.step.batches.pipeline_parts`); the batch's
-        loss is averaged over the dp replicas, so a non-finite loss on any of them is
-        seen by all."""
+        model that computes its own loss: `dtrain.step.batches.pipeline_parts`); every
+        stage returns its replica's loss (as a data-parallel rank does: the loss reads
+        average it over the replicas, and a non-finite loss on any of them is seen by
+        all)."""
         if self._balance is not None:
             self._balance.weight = scale
         pipeline = self.pipeline
@@ -264,13 +265,9 @@ class MeshStrategy(Strategy):
         inputs, targets, extras, loss_fn = pipeline_parts(batch, loss_fn, pipeline.feed)
         assert targets is not None and loss_fn is not None  # what training parts hold
         with self.autocast():
-            loss = pipeline.step(
+            return pipeline.step(
                 inputs, targets, loss_fn, self.handover.loss_scaling, extras, weight=scale
             )
-        if (replicas := self.placement.dp_size) > 1:
-            dist.all_reduce(loss, group=self.placement.dp_group)
-            loss = loss / replicas
-        return loss
 
     def _forward_loss(self, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
         """With --cp, the model is told its tokens' positions."""
