@@ -183,6 +183,46 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Pa
     return params[: len(HYBRID)], start, middle
 
 
+def hybrid_reads() -> dict[str, Any]:
+    """pp2 x dp2 (hybrid, four ranks), --log-every 1: the loss a read shows after 3 steps of
+    the tiny GPT and what each rank's third step returned (its replica's loss), then
+    whether a NaN loss on replica 1 alone stopped this rank."""
+    from dtrain.datasets import load_text
+
+    engine = dtrain.init(seed=0, strategy="hybrid", pp=2, microbatches=2, log_every=1)
+    model = GPT(SIZES["tiny"])
+    model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    train_set, _ = load_text(context=SIZES["tiny"].context)
+    batches = iter(engine.dataloader(train_set, batch_size=8))  # 16 a step, as single's
+    for _ in range(3):
+        returned = float(engine.train_step(next(batches), lm_loss))
+    read = engine.check_loss()
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, returned)
+    replica = engine.strategy.placement.dp_rank
+    nan = float("nan") if replica == 1 else 1.0
+    try:
+        engine.train_step(next(batches), lambda out, y: lm_loss(out, y) * nan)
+        stopped = False
+    except dtrain.NonFiniteLossError:
+        stopped = True
+    del model, optimizer
+    finish(engine, close=False)
+    return {"read": read, "returned": everyone, "stopped": stopped}
+
+
+@pytest.mark.timeout(200)
+def test_a_pipeline_over_replicas_reads_the_global_loss_and_stops_together() -> None:
+    """Each stage returns its replica's loss; the reads average the replicas (single's
+    loss), and a NaN on one replica stops every rank of both."""
+    expected = first_losses("single")[-1]
+    results = run_ranks(hybrid_reads, 4, timeout=180)
+    for result in results:
+        assert result["read"] == pytest.approx(expected, rel=1e-5)
+        assert sum(result["returned"]) / 4 == pytest.approx(expected, rel=1e-5)
+        assert result["stopped"]
+
+
 @pytest.mark.timeout(300)
 def test_hybrid_meshes_at_world_four_match_single(
     reference: dict, four_ranks: tuple[list[dict], Path, Path]

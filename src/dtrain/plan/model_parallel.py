@@ -50,7 +50,8 @@ def model_parallel(inputs: Inputs, layout: Layout) -> Estimate:
     if pp > 1:
         send = inputs.stage_send(boundary * micro, layout)
         comm += 2 * send * (m * layout.virtual + pp - 1)
-        comm += inputs.collective("all_reduce", 8, layout.world, layout)  # the step's loss
+        # The step's loss, from the last stage to the others.
+        comm += inputs.collective("broadcast", 8, pp, layout, stride=layout.dp * layout.tp)
     states_full = f.param_bytes + f.grad_bytes + f.optimizer_bytes
     t_split = _split_param_share(inputs, tp)
     states = states_full * param_share * t_split
