@@ -22,6 +22,7 @@ processes (`harness.interleaved`), on the 16x16 stack of `step_overhead.py`:
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import argparse
+import gc
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -30,8 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import Loop, arguments, interleaved, launch, report
-from step_overhead import Stack, make_data
-from torch.nn.parallel import DistributedDataParallel
+from step_overhead import make_data, plain_model
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 WAYS = ("read", "async", "carried", "hook")
@@ -70,13 +70,11 @@ def carrying_hook(state: Carrier, bucket: dist.GradBucket) -> torch.futures.Futu
 
 def ddp_loop(args: argparse.Namespace, data: TensorDataset, way: str | None) -> Loop:
     """The plain DDP loop, reading its losses the `way` given (None: never)."""
-    torch.manual_seed(0)
-    model = DistributedDataParallel(Stack(args.layers))
+    model, optimizer = plain_model("ddp", args.layers)
     group = dist.group.WORLD
     carrier = Carrier(group)
     if way in ("carried", "hook"):
         model.register_comm_hook(carrier, carrying_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
     batch = args.global_batch_size // dist.get_world_size()
     loader = DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True)
@@ -127,6 +125,7 @@ def worker(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
                 ddp_loop(args, data, None), ddp_loop(args, data, way), args.warmup, args.steps
             )
             results[way].append((pair[0] * 1e6, pair[1] * 1e6))
+    gc.collect()  # no DDP object left when the group goes (a known gloo abort otherwise)
     dist.destroy_process_group()
     return results
 
