@@ -22,7 +22,7 @@ from dtrain.launcher.failures import format_failures
 from dtrain.launcher.stacks import stopped_workers_continued, where
 
 HANGS = """\
-import os, signal
+import os, signal, time
 import torch, torch.nn.functional as F
 import dtrain
 engine = dtrain.init()
@@ -31,13 +31,14 @@ model, opt = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
 for step, batch in enumerate(engine.dataloader(data, batch_size=8)):
     if step == 2 and engine.rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # line 10: hangs here
+        os.kill(os.getpid(), signal.SIGSTOP); time.sleep(600)  # line 10: hangs here
     engine.train_step(batch, F.cross_entropy)
 engine.close()
 """
 
 LEAVES = HANGS.replace(
-    "os.kill(os.getpid(), signal.SIGSTOP)  # line 10: hangs here", "raise SystemExit(0)"
+    "os.kill(os.getpid(), signal.SIGSTOP); time.sleep(600)  # line 10: hangs here",
+    "raise SystemExit(0)",
 )
 
 DUMP = """\
@@ -86,9 +87,10 @@ def test_a_hung_rank_is_named_with_its_line(tmp_path: Path) -> None:
     assert named in out, out
     hung = out.index(named)
     assert hung < out.index("Rank 0 ("), out
-    # Line 10, where it stopped; or 11: SIGTERM may land on another of its threads, and
-    # the main thread, continued, runs on to the next line before the dump.
-    assert re.search(r'train\.py", line 1[01] in <module>', out), out
+    # Line 10, where it stopped. SIGTERM may land on another of its threads, and the main
+    # thread, continued, runs on while faulthandler reads its frames (a stack read while it
+    # changes can come out cut short): the sleep on the same line keeps it in place.
+    assert re.search(r'train\.py", line 10 in <module>', out), out
     assert "SIGKILL" not in out, out
     print(f"named after {took:.1f} s (--timeout 10)")
 
